@@ -14,7 +14,8 @@ class ConfigError(ValueError):
 
 
 def _check_int(owner: str, name: str, value: object, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+    out_of_range = isinstance(value, int) and (value < low or (high is not None and value > high))
+    if isinstance(value, bool) or not isinstance(value, int) or out_of_range:
         allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ConfigError(f"{owner}.{name} must be an integer {allowed}, got {value!r}")
 
@@ -55,7 +56,8 @@ class CacheConfig:
         _check_int(owner, "block_size", self.block_size, 1, 1024)
         _check_int(owner, "num_blocks", self.num_blocks, 1, 1 << 24)
         if not isinstance(self.enable_prefix_caching, bool):
-            raise ConfigError(f"{owner}.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+            got = self.enable_prefix_caching
+            raise ConfigError(f"{owner}.enable_prefix_caching must be a bool, got {got!r}")
 
     @property
     def num_tokens(self) -> int:
