@@ -1,0 +1,1 @@
+"""The model runtime: config, decoder layers, attention over the paged cache, loading."""

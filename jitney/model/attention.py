@@ -1,0 +1,180 @@
+"""Attention over the paged KV cache.
+
+A step's tokens arrive flattened and ordered: first the decode rows (one token per sequence),
+then the prefill chunks (several tokens per sequence), then padding rows. Padding rows are the
+static policy's dummy work: they go through every layer but attend only to themselves and never
+touch the cache.
+
+Backends share one interface, ``forward(q, k, v, k_cache, v_cache, meta)``, so a faster kernel per
+device can replace the reference one without the model noticing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SequenceSpan:
+    """One sequence's rows in the flattened batch and its cache layout."""
+
+    query_start: int
+    query_len: int
+    context_len: int  # tokens of this sequence in the cache after this step's write
+    block_table: torch.Tensor  # [num_blocks_used] int64 block ids
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens sit in the flattened batch and in the paged cache."""
+
+    block_size: int
+    slot_mapping: torch.Tensor  # [num_real_tokens] int64: block_id * block_size + offset
+    num_decode_tokens: int  # leading rows, one per decoding sequence
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with block 0
+    decode_context_lens: torch.Tensor  # [num_decodes] int64
+    prefills: list[SequenceSpan]  # sequences with a chunk of several tokens (or any chunk at start)
+    num_padding_tokens: int  # trailing rows that attend only to themselves
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """Store the real rows' K and V at their slots (padding rows are never stored)."""
+    n = meta.num_real_tokens
+    if n == 0:
+        return
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k[:n].to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v[:n].to(v_cache.dtype))
+
+
+def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """A sequence's first ``context_len`` cached rows, [context_len, kv_heads, head_dim]."""
+    blocks = cache.index_select(0, block_table)
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
+
+
+def _padding_output(v: torch.Tensor, num_heads: int, meta: AttentionMetadata) -> torch.Tensor:
+    # Attending only to itself, a row's softmax weight is 1: its output is its own V.
+    pad_v = v[v.shape[0] - meta.num_padding_tokens :]
+    return pad_v.repeat_interleave(num_heads // v.shape[1], dim=1)
+
+
+class TorchReferenceAttention:
+    """Explicit per-sequence softmax attention in float32: slow, simple, correct everywhere."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        write_kv(k, v, k_cache, v_cache, meta)
+        num_heads = q.shape[1]
+        out = torch.empty_like(q)
+        spans = [
+            SequenceSpan(i, 1, int(meta.decode_context_lens[i]), meta.decode_block_tables[i])
+            for i in range(meta.num_decode_tokens)
+        ] + meta.prefills
+        for span in spans:
+            keys = gather_sequence(k_cache, span.block_table, span.context_len)
+            values = gather_sequence(v_cache, span.block_table, span.context_len)
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            out[rows] = self._attend(q[rows], keys, values, scale).to(q.dtype)
+        if meta.num_padding_tokens:
+            out[q.shape[0] - meta.num_padding_tokens :] = _padding_output(v, num_heads, meta)
+        return out
+
+    @staticmethod
+    def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        group = q.shape[1] // keys.shape[1]
+        keys = keys.float().repeat_interleave(group, dim=1)
+        values = values.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+        q_len, ctx = q.shape[0], keys.shape[0]
+        # Query i sits at position ctx - q_len + i and sees keys up to and including itself.
+        key_pos = torch.arange(ctx)[None, :]
+        query_pos = torch.arange(ctx - q_len, ctx)[:, None]
+        scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
+
+
+class TorchSdpaAttention:
+    """The fast path in plain torch: every decode of a step in one batched gather + SDPA call, and
+    one SDPA call per prefill chunk (there are few per step)."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        write_kv(k, v, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        d = meta.num_decode_tokens
+        if d:
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
+        for span in meta.prefills:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            out[rows] = self._prefill(q[rows], k_cache, v_cache, span, scale)
+        if meta.num_padding_tokens:
+            out[q.shape[0] - meta.num_padding_tokens :] = _padding_output(v, q.shape[1], meta)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        tables = meta.decode_block_tables
+        num_seqs, max_blocks = tables.shape
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        length = max_blocks * k_cache.shape[1]
+        flat = tables.reshape(-1)
+        keys = k_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).transpose(1, 2)
+        positions = torch.arange(length, device=q.device)
+        mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :].to(keys.dtype), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out[:, :, 0, :]
+
+    @staticmethod
+    def _prefill(q, k_cache, v_cache, span: SequenceSpan, scale: float) -> torch.Tensor:
+        keys = gather_sequence(k_cache, span.block_table, span.context_len).transpose(0, 1)[None]
+        values = gather_sequence(v_cache, span.block_table, span.context_len).transpose(0, 1)[None]
+        query = q.transpose(0, 1)[None].to(keys.dtype)
+        q_len, ctx = span.query_len, span.context_len
+        if q_len == ctx:
+            out = F.scaled_dot_product_attention(
+                query, keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            key_pos = torch.arange(ctx, device=q.device)[None, :]
+            query_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+            mask = key_pos <= query_pos
+            out = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        return out[0].transpose(0, 1)
+
+
+BACKENDS = {"reference": TorchReferenceAttention, "sdpa": TorchSdpaAttention}
+
+
+def make_backend(name: str) -> AttentionBackend:
+    try:
+        return BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}") from None

@@ -1,0 +1,133 @@
+"""One decoder-only transformer for Llama, Qwen2 and Qwen3 (RMSNorm, RoPE, GQA, SwiGLU).
+
+Projections are fused at load time: q/k/v are one matmul and gate/up another, because on a CPU
+each extra small matmul costs a kernel launch and a pass over the activations. Weights are
+allocated empty here and filled by the loader; nothing is randomly initialised.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jitney.model.attention import AttentionBackend, AttentionMetadata, TorchSdpaAttention
+from jitney.model.config import ModelConfig
+from jitney.model.rope import RotaryEmbedding, apply_rotary
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as the reference does, then scale in the model's dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_weight = _param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = (
+            _param(cfg.q_size + 2 * cfg.kv_size, dtype=dtype, device=device) if cfg.qkv_bias else None
+        )
+        self.o_weight = _param(cfg.hidden_size, cfg.q_size, dtype=dtype, device=device)
+        self.o_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.o_bias else None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        cfg = self.cfg
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return F.linear(out.reshape(-1, cfg.q_size), self.o_weight, self.o_bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
+        self.gate_up_bias = (
+            _param(2 * cfg.intermediate_size, dtype=dtype, device=device) if cfg.mlp_bias else None
+        )
+        self.down_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.attn = Attention(cfg, dtype, device)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
+        x = x + self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, meta, backend)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class DecoderModel(nn.Module):
+    """``forward`` maps a flattened step to hidden states; ``compute_logits`` is applied only to the
+    rows that sample, since the vocabulary projection is the largest matmul of a decode step."""
+
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        )
+        self.rotary = RotaryEmbedding(cfg, device)
+        self.backend: AttentionBackend = TorchSdpaAttention()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, k_cache, v_cache, meta, self.backend)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
