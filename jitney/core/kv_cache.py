@@ -92,8 +92,9 @@ class KVCacheManager:
         num_held = len(held) if held is not None else 0
         num_new_blocks = -(-total_tokens // self.block_size) - num_held - len(prefix)
 
-        if not prefix and num_new_blocks <= 0 and held is not None:
-            self._register_full_blocks(request, held, total_tokens)  # decode fast path
+        if not prefix and num_new_blocks <= 0 and held is not None:  # decode fast path
+            if total_tokens // self.block_size > self._num_registered[rid]:
+                self._register_full_blocks(request, held, total_tokens)
             return []
 
         # Cached blocks sitting in the free queue are taken out of it: they count against it.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from jitney.request import SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NewRequestData:
     """A request the executor has not seen since it was (re)admitted: a fresh one, or one resumed
     after preemption, whose generated tokens are part of ``token_ids`` and are recomputed."""
@@ -24,7 +24,7 @@ class NewRequestData:
     eos_token_id: int | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     """The tokens one request computes this step: positions ``[start, start + num_tokens)``."""
 

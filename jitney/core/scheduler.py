@@ -54,6 +54,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
         self.cache_config = cache_config
         self.clock = clock
         self.policy = make_policy(scheduler_config)
@@ -108,6 +109,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         preempted: list[str] = []
         kv = self.kv
+        now = self.clock()
 
         # 1. Running requests first.
         idx = 0
@@ -116,7 +118,9 @@ class Scheduler:
             if use_budget and budget <= 0:
                 break
             req = running[idx]
-            num_new = policy.running_tokens(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
+            # A decode takes one token under every policy; only prefill chunks ask the policy.
+            num_new = 1 if remaining == 1 else policy.running_tokens(remaining, budget)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -130,7 +134,7 @@ class Scheduler:
                 new_block_ids = kv.allocate_slots(req, num_new)
             if new_block_ids is None:
                 continue  # req itself was preempted; running[idx] is now the next one
-            chunks[req.request_id] = self._chunk(req, num_new, new_block_ids)
+            chunks[req.request_id] = self._chunk(req, num_new, new_block_ids, now)
             budget -= num_new
             idx = running.index(req) + 1 if preempted else idx + 1
 
@@ -161,7 +165,7 @@ class Scheduler:
                         req.eos_token_id,
                     )
                 )
-                chunks[req.request_id] = self._chunk(req, num_new, new_block_ids)
+                chunks[req.request_id] = self._chunk(req, num_new, new_block_ids, now)
                 budget -= num_new
                 admitted_sizes.append(num_new)
             if admitted_sizes and not use_budget:  # static: a new wave, padded to its longest prompt
@@ -171,13 +175,6 @@ class Scheduler:
         num_padding_decode = 0
         if not use_budget and running and not new_reqs:
             num_padding_decode = max(self._wave_size - len(chunks), 0)
-
-        now = self.clock()
-        for chunk in chunks.values():
-            req = self.requests[chunk.request_id]
-            req.num_computed_tokens += chunk.num_tokens
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
 
         ended, self._ended_since_last_step = self._ended_since_last_step, []
         return SchedulerOutput(
@@ -190,17 +187,23 @@ class Scheduler:
             num_padding_prefill_tokens=num_padding_prefill,
         )
 
-    def _chunk(self, req: Request, num_new: int, new_block_ids: list[int]) -> ScheduledChunk:
+    def _chunk(self, req: Request, num_new: int, new_block_ids: list[int], now: float) -> ScheduledChunk:
+        """Record the chunk and advance the request's progress now: if it is preempted later in
+        this step, preemption resets its progress to zero anyway."""
         start = req.num_computed_tokens
         end = start + num_new
-        num_tokens = req.num_tokens
+        req.num_computed_tokens = end
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        n_out = len(req.output_token_ids)
+        sample = end == len(req.prompt_token_ids) + n_out
         return ScheduledChunk(
             req.request_id,
             start,
             num_new,
             tuple(new_block_ids),
-            end == num_tokens,
-            num_new == 1 and end == num_tokens and req.output_token_ids != [],
+            sample,
+            sample and num_new == 1 and n_out > 0,
         )
 
     def _admit(self, req: Request, num_hit_tokens: int) -> None:
@@ -255,7 +258,7 @@ class Scheduler:
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
         n_out = len(req.output_token_ids)
-        if n_out >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if n_out >= params.max_tokens or n_out + len(req.prompt_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         if n_out < params.min_tokens:
             return None
