@@ -62,9 +62,10 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[TokenLogprob], to
 
 def completion_body(
     request_id: str, created: int, model: str, text: str, finish_reason: str | None,
-    logprobs: dict | None, usage_body: dict | None, chunk: bool = False,
+    logprobs: dict | None, usage_body: dict | None, chunk: bool = False, with_usage_field: bool = False,
 ) -> dict:
-    """A whole completion, or (``chunk``) one streamed piece of it; the object name is the same."""
+    """A whole completion, or (``chunk``) one streamed piece of it; the object name is the same.
+    Streamed pieces carry ``"usage": null`` only when the client asked for a usage event."""
     choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     body = {
         "id": request_id,
@@ -73,7 +74,7 @@ def completion_body(
         "model": model,
         "choices": [choice],
     }
-    if not chunk or usage_body is not None:
+    if not chunk or with_usage_field:
         body["usage"] = usage_body
     return body
 

@@ -1,0 +1,198 @@
+"""Putting a server together: model -> runner -> scheduler -> Engine -> AsyncEngine -> app -> uvicorn.
+
+Also the shutdown policy: the first SIGTERM (or SIGINT) starts a drain (new requests get 503,
+running ones finish within ``drain_timeout_s``, the rest are aborted) and only then asks uvicorn to
+exit; a second signal exits at once. ``ServerThread`` runs the same server on a background thread
+for tests and benchmarks (no signals there; ``stop()`` drains the same way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from jitney.async_engine import AsyncEngine
+from jitney.config import CacheConfig, SchedulerConfig
+from jitney.core.scheduler import Scheduler
+from jitney.engine import Engine
+from jitney.server.app import ServerSettings, build_app
+from jitney.server.gate import Phase, ServerState
+from jitney.tokenizer import Tokenizer
+
+logger = logging.getLogger("jitney.server")
+
+
+@dataclass(frozen=True)
+class EngineBundle:
+    engine: Engine
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+
+
+def build_engine(
+    model: str | Path,
+    *,
+    scheduler_config: SchedulerConfig | None = None,
+    num_blocks: int | None = None,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    kv_cache_memory: int | None = None,
+    dtype: str | None = None,
+    device: str = "cpu",
+    model_name: str | None = None,
+) -> EngineBundle:
+    """Load ``model`` (directory, .gguf or registry name) and wrap it in a ready Engine.
+
+    ``max_model_len`` is capped by the model's own context length."""
+    from jitney.runner import ModelRunner
+
+    cache_config = None
+    if num_blocks is not None:
+        cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                   enable_prefix_caching=enable_prefix_caching)
+    runner = ModelRunner.from_pretrained(
+        model, dtype=dtype, device=device, cache_config=cache_config, kv_cache_memory=kv_cache_memory,
+        block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+    )
+    loaded = runner.loaded
+    assert loaded is not None
+    tokenizer = loaded.tokenizer
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = Tokenizer.from_directory(tokenizer)
+    sched = scheduler_config or SchedulerConfig()
+    model_limit = loaded.config.max_position_embeddings
+    if sched.max_model_len > model_limit:
+        sched = _replace(sched, max_model_len=model_limit)
+    engine = Engine(Scheduler(sched, runner.cache_config), runner, tokenizer)
+    name = model_name or _default_name(model)
+    logger.info("%s", runner.describe_kv_pool(sched.max_model_len))
+    return EngineBundle(engine, tokenizer, name, sched.max_model_len)
+
+
+def _replace(config: SchedulerConfig, **changes: int) -> SchedulerConfig:
+    from dataclasses import replace
+
+    return replace(config, **changes)
+
+
+def _default_name(model: str | Path) -> str:
+    path = Path(model)
+    if path.exists():
+        return path.stem if path.suffix == ".gguf" else path.name
+    return str(model)
+
+
+def make_app(bundle: EngineBundle, *, api_key: str | None = None, drain_timeout_s: float = 30.0,
+             max_body_bytes: int | None = None, extra_model_names: tuple[str, ...] = ()) -> FastAPI:
+    cache = bundle.engine.scheduler.cache_config
+    kwargs = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
+    settings = ServerSettings(
+        model_names=(bundle.model_name, *[n for n in extra_model_names if n != bundle.model_name]),
+        max_model_len=bundle.max_model_len,
+        kv_pool_tokens=cache.num_tokens,
+        api_key=api_key,
+        drain_timeout_s=drain_timeout_s,
+        **kwargs,
+    )
+    return build_app(AsyncEngine(bundle.engine), bundle.tokenizer, settings, ServerState())
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains the engine before exiting."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self._app = app
+        self._drain_started = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_started or self._loop is None:
+            self.force_exit = self._drain_started
+            self.should_exit = True
+            return
+        self._drain_started = True
+        logger.info("received %s: draining", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain()))
+
+    async def drain(self) -> None:
+        """Refuse new requests, let running ones finish (bounded), then let uvicorn exit."""
+        state: ServerState = self._app.state.server_state
+        state.phase = Phase.DRAINING
+        engine: AsyncEngine = self._app.state.jitney.engine
+        timeout = self._app.state.drain_timeout_s
+        start = time.monotonic()
+        clean = await engine.drain(timeout)
+        logger.info("drained in %.1fs (%s)", time.monotonic() - start,
+                    "all requests finished" if clean else "remaining requests aborted")
+        self.should_exit = True
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            access_log=False)
+    DrainingServer(config, app).run()
+
+
+class ServerThread:
+    """The real server on 127.0.0.1 and a free port, in a background thread."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.app = app
+        self.host = host
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.port = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, access_log=False)
+        self.server = DrainingServer(config, app)
+        self._thread = threading.Thread(target=self._run, name="jitney-server", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        self.server.run(sockets=[self._sock])
+
+    def start(self, timeout_s: float = 60.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def drain(self) -> None:
+        """What SIGTERM does, for a server on a thread."""
+        loop = self.server._loop
+        assert loop is not None
+        asyncio.run_coroutine_threadsafe(self.server.drain(), loop)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self.server.should_exit = True
+            self._thread.join(timeout_s)
+        self._sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
