@@ -10,6 +10,7 @@ The engine owns no batching logic; it turns text into requests and deltas into o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -103,6 +104,7 @@ class Engine:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        params = self._with_extra_eos(params)
         return Request(
             request_id=request_id if request_id is not None else self.next_request_id(),
             prompt_token_ids=token_ids,
@@ -111,6 +113,16 @@ class Engine:
             priority=priority,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
         )
+
+    def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
+        """Models with several end tokens (generation_config lists them) stop on all of them."""
+        if self.tokenizer is None or params.ignore_eos:
+            return params
+        extra = [t for t in self.tokenizer.eos_token_ids if t != self.tokenizer.eos_token_id]
+        missing = [t for t in extra if t not in params.stop_token_ids]
+        if not missing:
+            return params
+        return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *missing])
 
     def add_request(self, request: Request) -> Request:
         """Queue a request; raises AdmissionError (a ValueError) if it can never run."""
