@@ -57,6 +57,12 @@ class _Batch:
     sample_ids: list[str]  # request id of each sampled row
 
 
+@dataclass
+class StepLogits:
+    request_ids: list[str]  # one per row of ``logits`` (decodes first, then prefill chunks)
+    logits: torch.Tensor  # [len(request_ids), vocab] float32
+
+
 class ModelRunner:
     """Executes scheduled steps on a real model over a paged KV cache."""
 
@@ -117,23 +123,31 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput) -> ExecutorResult:
         start = time.perf_counter()
-        self._update_states(output)
-        if not output.chunks and not (output.num_padding_decode_slots or output.num_padding_prefill_tokens):
-            return ExecutorResult(sampled_token_ids={}, step_seconds=time.perf_counter() - start)
-        batch = self._build_batch(output)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
+        step = self.compute_logits(output)
         sampled: dict[str, int] = {}
         logprobs = None
-        if batch.sample_rows:
-            rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
-            token_ids, logprobs = self._sample(logits, batch.sample_ids)
-            for request_id, token in zip(batch.sample_ids, token_ids, strict=True):
+        if step.request_ids:
+            token_ids, logprobs = self._sample(step.logits, step.request_ids)
+            for request_id, token in zip(step.request_ids, token_ids, strict=True):
                 self._requests[request_id].token_ids.append(token)
                 sampled[request_id] = token
         return ExecutorResult(
             sampled_token_ids=sampled, logprobs=logprobs, step_seconds=time.perf_counter() - start
         )
+
+    def compute_logits(self, output: SchedulerOutput) -> StepLogits:
+        """Run the step's forward pass (KV written, state updated) and return the float32 logits of
+        the rows that sample, without sampling. ``execute`` is this plus the sampler."""
+        self._update_states(output)
+        num_padding = output.num_padding_decode_slots + output.num_padding_prefill_tokens
+        if not output.chunks and not num_padding:
+            return StepLogits([], torch.empty(0, self.model_config.vocab_size))
+        batch = self._build_batch(output)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
+        if not batch.sample_rows:
+            return StepLogits([], torch.empty(0, self.model_config.vocab_size))
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        return StepLogits(batch.sample_ids, self.model.compute_logits(hidden.index_select(0, rows)))
 
     def _update_states(self, output: SchedulerOutput) -> None:
         for request_id in (*output.finished_ids, *output.preempted_ids):
