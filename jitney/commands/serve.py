@@ -1,0 +1,88 @@
+"""`jitney serve [MODEL]`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from jitney.cli import CliError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (a Hugging Face directory, a .gguf file or a known name; default: the "
+        "bundled SmolLM2) on /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
+    )
+    p.add_argument("model", nargs="?", default=None, help="model directory, .gguf file or known name")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--served-model-name", default=None, help="name clients use in 'model' (default: "
+                   "the model's file or directory name)")
+    p.add_argument("--api-key", default=os.environ.get("JITNEY_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $JITNEY_API_KEY, else none)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM (default 30)")
+    p.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
+                   help="largest request body accepted (default 2 MiB)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output limit (default 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one step (default 512)")
+    p.add_argument("--policy", default="chunked", help="static | continuous | chunked (default chunked)")
+    p.add_argument("--queue", default="fcfs", help="fcfs | priority (default fcfs)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from free memory)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: by CPU)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 < args.port < 65536:
+        raise CliError(f"--port must be in [1, 65535], got {args.port}")
+    if args.drain_timeout < 0:
+        raise CliError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.max_body_bytes < 1024:
+        raise CliError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise CliError("--api-key must not be empty")
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    from jitney.config import SchedulerConfig
+
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        policy=args.policy,
+        queue=args.queue,
+        max_model_len=args.max_model_len,
+    )  # ConfigError (a ValueError) is printed as one line by the CLI
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=args.log_level.upper(), format=log_format)
+
+    from jitney.model.registry import DEFAULT_MODEL
+    from jitney.server.launch import build_engine, make_app, serve
+
+    model = args.model or DEFAULT_MODEL
+    bundle = build_engine(
+        model,
+        scheduler_config=scheduler_config,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        dtype=args.dtype,
+        device=args.device,
+        model_name=args.served_model_name,
+    )
+    extra = (str(model),) if args.served_model_name is None else ()
+    app = make_app(bundle, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
+                   max_body_bytes=args.max_body_bytes, extra_model_names=extra)
+    serve(app, args.host, args.port, log_level=args.log_level)
+    return 0
