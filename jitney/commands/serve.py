@@ -27,7 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds running requests get to finish after SIGTERM (default 30)")
     p.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
                    help="largest request body accepted (default 2 MiB)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output limit (default 2048)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output token limit (default: the model's context length)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget of one step (default 512)")
@@ -55,33 +56,27 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    from jitney.config import SchedulerConfig
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=args.log_level.upper(), format=log_format)
 
-    scheduler_config = SchedulerConfig(
+    from jitney.server.launch import build_engine, make_app, serve
+
+    # Configuration errors (ConfigError, a ValueError) print as one line through the CLI.
+    bundle = build_engine(
+        args.model,
+        model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         policy=args.policy,
         queue=args.queue,
-        max_model_len=args.max_model_len,
-    )  # ConfigError (a ValueError) is printed as one line by the CLI
-    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=args.log_level.upper(), format=log_format)
-
-    from jitney.model.registry import DEFAULT_MODEL
-    from jitney.server.launch import build_engine, make_app, serve
-
-    model = args.model or DEFAULT_MODEL
-    bundle = build_engine(
-        model,
-        scheduler_config=scheduler_config,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         dtype=args.dtype,
         device=args.device,
-        model_name=args.served_model_name,
     )
-    extra = (str(model),) if args.served_model_name is None else ()
+    extra = (str(args.model),) if args.model is not None and args.served_model_name is None else ()
     app = make_app(bundle, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
                    max_body_bytes=args.max_body_bytes, extra_model_names=extra)
     serve(app, args.host, args.port, log_level=args.log_level)

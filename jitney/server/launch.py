@@ -17,13 +17,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from jitney.async_engine import AsyncEngine
-from jitney.config import CacheConfig, SchedulerConfig
-from jitney.core.scheduler import Scheduler
 from jitney.engine import Engine
 from jitney.server.app import ServerSettings, build_app
 from jitney.server.gate import Phase, ServerState
@@ -41,56 +40,20 @@ class EngineBundle:
 
 
 def build_engine(
-    model: str | Path,
-    *,
-    scheduler_config: SchedulerConfig | None = None,
-    num_blocks: int | None = None,
-    block_size: int = 16,
-    enable_prefix_caching: bool = True,
-    kv_cache_memory: int | None = None,
-    dtype: str | None = None,
-    device: str = "cpu",
-    model_name: str | None = None,
+    model: str | Path | None, *, model_name: str | None = None, **llm_options: Any
 ) -> EngineBundle:
-    """Load ``model`` (directory, .gguf or registry name) and wrap it in a ready Engine.
+    """Load ``model`` (directory, .gguf or registry name; None = the bundled model) exactly as the
+    offline ``LLM`` does, so the server and ``LLM`` answer the same prompts the same way.
+    ``llm_options`` are ``LLM``'s keyword arguments (scheduler, KV pool, dtype, device)."""
+    from jitney.llm import LLM
 
-    ``max_model_len`` is capped by the model's own context length."""
-    from jitney.runner import ModelRunner
-
-    cache_config = None
-    if num_blocks is not None:
-        cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                   enable_prefix_caching=enable_prefix_caching)
-    runner = ModelRunner.from_pretrained(
-        model, dtype=dtype, device=device, cache_config=cache_config, kv_cache_memory=kv_cache_memory,
-        block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-    )
-    loaded = runner.loaded
-    assert loaded is not None
-    tokenizer = loaded.tokenizer
-    if not isinstance(tokenizer, Tokenizer):
-        tokenizer = Tokenizer.from_directory(tokenizer)
-    sched = scheduler_config or SchedulerConfig()
-    model_limit = loaded.config.max_position_embeddings
-    if sched.max_model_len > model_limit:
-        sched = _replace(sched, max_model_len=model_limit)
-    engine = Engine(Scheduler(sched, runner.cache_config), runner, tokenizer)
-    name = model_name or _default_name(model)
-    logger.info("%s", runner.describe_kv_pool(sched.max_model_len))
-    return EngineBundle(engine, tokenizer, name, sched.max_model_len)
-
-
-def _replace(config: SchedulerConfig, **changes: int) -> SchedulerConfig:
-    from dataclasses import replace
-
-    return replace(config, **changes)
-
-
-def _default_name(model: str | Path) -> str:
-    path = Path(model)
-    if path.exists():
-        return path.stem if path.suffix == ".gguf" else path.name
-    return str(model)
+    llm = LLM(model, **llm_options)
+    max_model_len = llm.scheduler_config.max_model_len
+    model_limit = llm.runner.model_config.max_position_embeddings
+    if max_model_len > model_limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_limit}")
+    logger.info("%s", llm.runner.describe_kv_pool(max_model_len))
+    return EngineBundle(llm.engine, llm.tokenizer, model_name or llm.model_name, max_model_len)
 
 
 def make_app(bundle: EngineBundle, *, api_key: str | None = None, drain_timeout_s: float = 30.0,

@@ -110,6 +110,11 @@ class ServerMetrics:
             buckets=_REQUEST_BUCKETS, registry=reg,
         )
         reg.register(_EngineCollector(snapshot, model_name))
+        # Children exist from the start, so every series reads 0 before the first request.
+        per_model = (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                     self.queue_time)
+        for metric in per_model:
+            metric.labels(model_name)
 
     def observe_finished(self, times: FinishedRequestTimes, finish_reason: str) -> None:
         m = self.model_name
