@@ -57,6 +57,7 @@ class StepRecord:
     decode_tokens: int
     context_tokens: int
     ms: float
+    num_requests: int = 0
 
 
 class Engine:
@@ -70,7 +71,8 @@ class Engine:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
-        self.on_step = on_step
+        # Called after every step that ran something (profiling, statistics).
+        self.step_listeners: list[Callable[[StepRecord], None]] = [on_step] if on_step else []
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._live: dict[str, Request] = {}  # the scheduler forgets a request once it ends
         self._ids = itertools.count()
@@ -154,8 +156,10 @@ class Engine:
         result = self.executor.execute(output)
         elapsed_ms = (time.perf_counter() - start) * 1e3
         self.num_steps += 1
-        if self.on_step is not None and output.chunks:
-            self.on_step(step_record(output, elapsed_ms))
+        if self.step_listeners and output.chunks:
+            record = step_record(output, elapsed_ms)
+            for listener in self.step_listeners:
+                listener(record)
         deltas = self.scheduler.update_from_output(output, result)
         logprobs = result.logprobs or {}
         outputs = []
@@ -204,4 +208,4 @@ def step_record(output: SchedulerOutput, ms: float) -> StepRecord:
         else:
             prefill += chunk.num_tokens
         context += chunk.end
-    return StepRecord(prefill, decode, context, ms)
+    return StepRecord(prefill, decode, context, ms, len(output.chunks))
