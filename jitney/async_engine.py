@@ -387,6 +387,7 @@ class AsyncEngine:
             num_preemptions=stats.num_preemptions_total,
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
+            num_free_blocks=stats.num_free_blocks,
         )
 
     def _log_state(self) -> None:

@@ -34,6 +34,7 @@ class EngineSnapshot:
     num_preemptions: int = 0  # cumulative
     prefix_cache_queries: int = 0  # cumulative, in tokens
     prefix_cache_hits: int = 0  # cumulative, in tokens
+    num_free_blocks: int = 0
 
 
 @dataclass(frozen=True)
