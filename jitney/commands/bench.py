@@ -69,14 +69,197 @@ def _run_slots(args: argparse.Namespace) -> int:
         num_threads=args.threads,
     )
     runs = run_all(cfg)
-    print(f"{cfg.num_requests} requests, {runs[0].tokens} output tokens, TinyLM (embedding + "
-          f"{cfg.num_blocks} MLP blocks + lm_head), torch.manual_seed({cfg.torch_seed})\n")
+    print(
+        f"{cfg.num_requests} requests, {runs[0].tokens} output tokens, TinyLM (embedding + "
+        f"{cfg.num_blocks} MLP blocks + lm_head), torch.manual_seed({cfg.torch_seed})\n"
+    )
     print(format_table(runs))
     return 0
 
 
+# ---- serve ------------------------------------------------------------------------------------
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text}")
+    return value
+
+
+def _rate_list(text: str) -> list[float]:
+    try:
+        return [_rate(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates, got {text!r}") from exc
+
+
 def _register_serve(sub: argparse._SubParsersAction) -> None:
-    pass
+    p = sub.add_parser("serve", help="load generator for any OpenAI-compatible server")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--api-key")
+    p.add_argument(
+        "--dataset",
+        choices=("random", "seed", "trace"),
+        default="random",
+        help="random token lengths, the seed's lognormal Poisson traffic, or a replayed trace",
+    )
+    p.add_argument(
+        "--trace", help="CSV or JSON Lines trace (arrival, prompt_len, output_len) for --dataset trace"
+    )
+    p.add_argument(
+        "--input-len",
+        default="lognormal:256,0.6,16,1024",
+        help="prompt lengths: N, uniform:LOW,HIGH or lognormal:MEDIAN,SIGMA,LOW,HIGH",
+    )
+    p.add_argument("--output-len", default="lognormal:128,0.6,16,512", help="output lengths, same forms")
+    p.add_argument("--prefix-len", type=int, default=0, help="tokens of a prefix shared by every prompt")
+    p.add_argument(
+        "--vocab-size",
+        type=_positive_int,
+        help="random prompt ids are drawn below this (default: the tokenizer's vocabulary, else 500)",
+    )
+    p.add_argument("--tokenizer", help="tokenizer.json (or its directory) to send text instead of token ids")
+    p.add_argument("--num-prompts", type=_positive_int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed-duration",
+        type=_positive_float,
+        default=30.0,
+        help="window of the seed's traffic in seconds (--dataset seed)",
+    )
+    p.add_argument(
+        "--request-rate", type=_rate, default=float("inf"), help="req/s (default inf: all at once)"
+    )
+    p.add_argument("--burstiness", type=_positive_float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=_positive_int, help="closed loop: at most N requests in flight")
+    p.add_argument(
+        "--num-warmups", type=int, default=1, help="requests sent first and left out of the figures"
+    )
+    p.add_argument("--slo-ttft-ms", type=_positive_float)
+    p.add_argument("--slo-tpot-ms", type=_positive_float)
+    p.add_argument(
+        "--sweep-rate", type=_rate_list, help="comma-separated rates: find the highest meeting the SLOs"
+    )
+    p.add_argument(
+        "--no-ignore-eos", action="store_true", help="let the model stop early (outputs not forced)"
+    )
+    p.add_argument("--timeout", type=_positive_float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--json", dest="json_path", help="write vLLM-style result JSON here")
+    p.add_argument("--plot", dest="plot_dir", help="write CDF, throughput and concurrency plots here")
+    p.add_argument("--label", default="openai", help="backend name recorded in the JSON")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import json
+    import math
+    from pathlib import Path
+
+    from jitney.bench import datasets as ds
+    from jitney.bench.client import ApiTarget, discover_model
+    from jitney.bench.serve import (
+        LoadConfig,
+        format_summary,
+        format_sweep,
+        result_json,
+        run_load,
+        sweep_rates,
+    )
+    from jitney.metrics import SLO
+
+    decode = None
+    vocab = args.vocab_size
+    if args.tokenizer:
+        decode, tok_vocab = _load_tokenizer(args.tokenizer)
+        vocab = vocab or tok_vocab
+    tokens = ds.TokenSpace(vocab_size=vocab or 500, first_id=min(10, (vocab or 500) - 1))
+    if args.dataset == "random":
+        reqs = ds.random_requests(
+            args.num_prompts,
+            ds.LengthDist.parse(args.input_len),
+            ds.LengthDist.parse(args.output_len),
+            seed=args.seed,
+            prefix_len=args.prefix_len,
+            tokens=tokens,
+        )
+    elif args.dataset == "seed":
+        rate = 16.0 if math.isinf(args.request_rate) else args.request_rate
+        reqs = ds.seed_traffic(
+            rate, args.seed_duration, seed=args.seed or 1234, burstiness=args.burstiness, tokens=tokens
+        )[: args.num_prompts]
+    else:
+        if not args.trace:
+            raise CliError("--dataset trace needs --trace FILE")
+        reqs = ds.trace_requests(args.trace, seed=args.seed, tokens=tokens)[: args.num_prompts]
+    if args.endpoint == "chat" or decode is not None:
+        if decode is None:
+            raise CliError(
+                "the chat endpoint sends text: pass --tokenizer to turn random token ids into text"
+            )
+        reqs = ds.with_text_prompts(reqs, decode)
+
+    model = args.model or discover_model(args.base_url, args.api_key)
+    target = ApiTarget(
+        args.base_url, model, args.endpoint, api_key=args.api_key, ignore_eos=not args.no_ignore_eos
+    )
+    cfg = LoadConfig(
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        num_warmups=args.num_warmups,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        show_progress=not args.no_progress,
+    )
+    slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
+
+    if args.sweep_rate:
+        points, capacity = sweep_rates(target, reqs, args.sweep_rate, cfg, slo)
+        print(format_sweep(points, capacity, slo))
+        if args.json_path:
+            body = {
+                "capacity_req_s": capacity,
+                "good_share": 0.9,
+                "runs": [result_json(p.result, target, slo, label=args.label) for p in points],
+            }
+            Path(args.json_path).write_text(json.dumps(body, indent=1))
+        if args.plot_dir:
+            from jitney.bench.plots import plot_sweep
+
+            print(f"plot: {plot_sweep(points, args.plot_dir, slo)}")
+        return 0
+
+    result = run_load(target, reqs, cfg)
+    print(format_summary(result, slo))
+    if args.json_path:
+        Path(args.json_path).write_text(
+            json.dumps(result_json(result, target, slo, label=args.label), indent=1)
+        )
+    if args.plot_dir:
+        from jitney.bench.plots import plot_run
+
+        for path in plot_run(result, args.plot_dir, slo):
+            print(f"plot: {path}")
+    return 0 if any(r.success for r in result.records) else 1
+
+
+def _load_tokenizer(path: str):
+    """(decode(ids) -> text, vocabulary size) from a tokenizer.json file or its directory."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.exists():
+        raise FileNotFoundError(f"no tokenizer.json at {p}")
+    tok = Tokenizer.from_file(str(p))
+    return (lambda ids: tok.decode(ids)), tok.get_vocab_size()
 
 
 def _register_compare(sub: argparse._SubParsersAction) -> None:
