@@ -30,6 +30,7 @@ from jitney.model.paged_cache import (
     max_concurrency,
     num_blocks_for_memory,
 )
+from jitney.model.sampler import Sampler
 from jitney.request import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class ModelRunner:
         *,
         attention: str = "sdpa",
         loaded: LoadedModel | None = None,
+        seed: int | None = None,
     ) -> None:
         self.model = model
         self.model_config = model.config
@@ -80,6 +82,7 @@ class ModelRunner:
         self.device = model.device
         self.loaded = loaded
         model.backend = make_backend(attention)
+        self.sampler = Sampler(seed)
         self.kv_cache = PagedKVCache(
             model.config, cache_config.num_blocks, cache_config.block_size, model.dtype, model.device
         )
@@ -88,7 +91,7 @@ class ModelRunner:
     @classmethod
     def from_pretrained(
         cls,
-        path_or_name: str | Path,
+        path_or_name: str | Path | None = None,
         *,
         dtype: str | torch.dtype | None = None,
         device: str = "cpu",
@@ -97,6 +100,7 @@ class ModelRunner:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         attention: str = "sdpa",
+        seed: int | None = None,
     ) -> ModelRunner:
         """Load a checkpoint and size the KV pool: ``cache_config`` as given, else ``kv_cache_memory``
         bytes, else a fixed fraction of free memory (see jitney.model.paged_cache)."""
@@ -107,7 +111,7 @@ class ModelRunner:
             cache_config = CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching
             )
-        return cls(loaded.model, cache_config, attention=attention, loaded=loaded)
+        return cls(loaded.model, cache_config, attention=attention, loaded=loaded, seed=seed)
 
     def describe_kv_pool(self, max_model_len: int) -> str:
         cc = self.cache_config
@@ -242,10 +246,10 @@ class ModelRunner:
         if all(_plain_greedy(s) for s in states):
             # Fast path: no logit processing needed, the argmax stays on tensors.
             return logits.argmax(dim=-1).tolist(), None
-        from jitney.model.sampler import SamplingRow, sample
+        from jitney.model.sampler import SamplingRow
 
         rows = [SamplingRow(s.params, s.num_output_tokens, s.eos_token_id) for s in states]
-        result = sample(logits, rows)
+        result = self.sampler(logits, rows)
         logprobs = None
         if result.logprobs is not None:
             logprobs = {

@@ -76,7 +76,7 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(
-    path_or_name: str | Path, dtype: str | torch.dtype | None = None, device: str = "cpu"
+    path_or_name: str | Path | None, dtype: str | torch.dtype | None = None, device: str = "cpu"
 ) -> LoadedModel:
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -86,20 +86,14 @@ def load_model(
     return _load_hf_directory(path, torch_dtype, device)
 
 
-def _resolve_path(path_or_name: str | Path) -> Path:
-    path = Path(path_or_name).expanduser()
-    if path.exists():
-        return path
-    if path.suffix != ".gguf" and len(path.parts) == 1:
-        try:
-            from jitney.model.registry import resolve_model_path
-        except ImportError:
-            resolve_model_path = None
-        if resolve_model_path is not None:
-            return Path(resolve_model_path(str(path_or_name)))
-    raise ModelLoadError(
-        f"model not found: {path_or_name} (no such file or directory, and not a known model name)"
-    )
+def _resolve_path(path_or_name: str | Path | None) -> Path:
+    """A checkpoint directory, a .gguf file, or a known model name (None: the default model)."""
+    from jitney.model.registry import ModelNotFoundError, resolve_model_path
+
+    try:
+        return resolve_model_path(path_or_name)
+    except ModelNotFoundError as err:
+        raise ModelLoadError(str(err)) from None
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
