@@ -262,8 +262,34 @@ def _load_tokenizer(path: str):
     return (lambda ids: tok.decode(ids)), tok.get_vocab_size()
 
 
+# ---- compare ----------------------------------------------------------------------------------
+
+
 def _register_compare(sub: argparse._SubParsersAction) -> None:
-    pass
+    p = sub.add_parser("compare", help="two result JSON files side by side with the relative error per field")
+    p.add_argument("a", help="first run (e.g. the simulated one)")
+    p.add_argument("b", help="second run, the reference (e.g. the measured one)")
+    p.add_argument("--select-a", help="which run of A, when the file holds several (key or label)")
+    p.add_argument("--select-b", help="which run of B, when the file holds several")
+    p.add_argument("--fields", help="comma-separated field names (default: counts, throughputs, latencies)")
+    p.add_argument("--names", default="sim,real", help="column titles for A and B (default sim,real)")
+    p.set_defaults(func=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from jitney.bench.compare import DEFAULT_FIELDS, compare, format_compare, load_run
+
+    names = [n.strip() for n in args.names.split(",")]
+    if len(names) != 2 or not all(names):
+        raise CliError(f"--names takes two comma-separated titles, got {args.names!r}")
+    fields = tuple(f.strip() for f in args.fields.split(",") if f.strip()) if args.fields else DEFAULT_FIELDS
+    a = load_run(args.a, args.select_a)
+    b = load_run(args.b, args.select_b)
+    diffs = compare(a, b, fields)
+    if not diffs:
+        raise CliError(f"neither file has any of the fields {', '.join(fields)}")
+    print(format_compare(diffs, *names))
+    return 0
 
 
 def _register_throughput(sub: argparse._SubParsersAction) -> None:
