@@ -52,7 +52,7 @@ def test_draining_server_refuses_new_work_and_finishes_running_requests(tiny_che
     bundle = EngineBundle(llm.engine, llm.tokenizer, "tiny", 512)
     with ServerThread(make_app(bundle, drain_timeout_s=60.0)) as srv:
         sink: list = []
-        body = {"prompt": "drain me", "max_tokens": 120, "ignore_eos": True, "stream": True}
+        body = {"prompt": "drain me", "max_tokens": 100, "ignore_eos": True, "stream": True}
         reader = _stream_in_background(srv.base_url, body, sink)
         _wait_for_tokens(sink)
         srv.drain()
@@ -91,7 +91,7 @@ def test_sigterm_drains_then_exits(tiny_checkpoint):
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.1)
         sink: list = []
-        body = {"prompt": "one more thing", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        body = {"prompt": "one more thing", "max_tokens": 100, "ignore_eos": True, "stream": True}
         reader = _stream_in_background(base, body, sink)
         _wait_for_tokens(sink)
         proc.send_signal(signal.SIGTERM)
