@@ -138,12 +138,12 @@ class RooflineFigures:
         """Human-readable table rows."""
         gib = self.kv_pool_bytes / GIB
         return [
-            f"model {self.model} ({self.num_params / 1e9:.3g}e9 params) on {self.hardware}",
+            f"model {self.model} ({self.num_params:,} params) on {self.hardware}",
             f"weights                 {self.weight_bytes:,} B "
             f"({self.weight_bytes / 1e9:.2f} GB, {self.weight_gib:.2f} GiB)",
             f"KV per token            {self.kv_bytes_per_token:,} B ({self.kv_bytes_per_token / 1024:g} KiB)",
             f"weight read             {self.weight_read_ms:.3f} ms",
-            f"compute per token       {self.token_compute_us:.2f} us at {self.effective_tflops:.1f} TFLOP/s",
+            f"compute per token       {self.token_compute_us:.2f} us at {self.effective_tflops:.4g} TFLOP/s",
             f"ridge point             {self.ridge_flop_per_byte_peak:.0f} FLOP/B peak, "
             f"{self.ridge_flop_per_byte_effective:.0f} FLOP/B effective",
             f"decode step B={self.batch} ctx={self.context}  {self.decode_step_ms:.3f} ms "
