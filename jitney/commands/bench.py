@@ -292,8 +292,88 @@ def _run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- throughput -------------------------------------------------------------------------------
+
+
 def _register_throughput(sub: argparse._SubParsersAction) -> None:
-    pass
+    from jitney.bench.throughput_worker import ENGINES
+
+    p = sub.add_parser("throughput", help="offline throughput: jitney policies vs Hugging Face baselines")
+    p.add_argument(
+        "--model", help="checkpoint directory, .gguf file or known name (default: the bundled model)"
+    )
+    p.add_argument(
+        "--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}"
+    )
+    p.add_argument("--num-prompts", type=_positive_int, default=200)
+    p.add_argument(
+        "--input-len", default="lognormal:256,0.6,16,1024", help="N, uniform:LO,HI or lognormal:MED,SIG,LO,HI"
+    )
+    p.add_argument("--output-len", default="lognormal:128,0.6,16,512")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    p.add_argument(
+        "--max-num-seqs", type=_positive_int, default=32, help="jitney and HF continuous batch limit"
+    )
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    p.add_argument("--hf-batch-size", type=_positive_int, default=32, help="padded batch size of HF generate")
+    p.add_argument("--threads", type=_positive_int, help="torch threads in every engine (default: torch's)")
+    p.add_argument(
+        "--kv-cache-mib", type=_positive_int, help="jitney's KV pool size (default: its own sizing)"
+    )
+    p.add_argument("--timeout", type=_positive_float, default=3600.0, help="per engine, seconds")
+    p.add_argument(
+        "--cache-dir", default=".cache/jitney-bench", help="where a GGUF model is dequantized once"
+    )
+    p.add_argument("--json", dest="json_path", help="write the results as JSON here")
+    p.set_defaults(func=_run_throughput)
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from jitney.bench.datasets import LengthDist
+    from jitney.bench.throughput import ThroughputConfig, format_table, run_all
+
+    cfg = ThroughputConfig(
+        model=args.model,
+        engines=tuple(e.strip() for e in args.engines.split(",") if e.strip()),
+        num_prompts=args.num_prompts,
+        input_len=LengthDist.parse(args.input_len),
+        output_len=LengthDist.parse(args.output_len),
+        seed=args.seed,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        hf_batch_size=args.hf_batch_size,
+        threads=args.threads,
+        kv_cache_mib=args.kv_cache_mib,
+        timeout_s=args.timeout,
+        cache_dir=Path(args.cache_dir),
+    )
+    model_dir, runs = run_all(cfg, progress=lambda line: print(line, flush=True))
+    print(
+        f"\nmodel {model_dir}, {args.dtype}, {cfg.num_prompts} requests, input {cfg.input_len}, "
+        f"output {cfg.output_len} (forced), seed {cfg.seed}\n"
+    )
+    print(format_table(runs))
+    if args.json_path:
+        body = {
+            "model": str(model_dir),
+            "dtype": cfg.dtype,
+            "num_prompts": cfg.num_prompts,
+            "input_len": str(cfg.input_len),
+            "output_len": str(cfg.output_len),
+            "seed": cfg.seed,
+            "runs": [
+                {**asdict(r), "output_throughput": r.output_tps, "total_token_throughput": r.total_tps}
+                for r in runs
+            ],
+        }
+        Path(args.json_path).write_text(json.dumps(body, indent=1))
+    return 0 if all(r.ok for r in runs) else 1
 
 
 def _register_profile(sub: argparse._SubParsersAction) -> None:
