@@ -56,6 +56,7 @@ class _Batch:
     meta: AttentionMetadata
     sample_rows: list[int]  # flattened row of each sampling chunk's last token
     sample_ids: list[str]  # request id of each sampled row
+    max_position: int
 
 
 @dataclass
@@ -147,7 +148,13 @@ class ModelRunner:
         if not output.chunks and not num_padding:
             return StepLogits([], torch.empty(0, self.model_config.vocab_size))
         batch = self._build_batch(output)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
+        hidden = self.model(
+            batch.input_ids,
+            batch.positions,
+            batch.meta,
+            self.kv_cache.layers,
+            max_position=batch.max_position,
+        )
         if not batch.sample_rows:
             return StepLogits([], torch.empty(0, self.model_config.vocab_size))
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
@@ -217,7 +224,10 @@ class ModelRunner:
             prefills=spans,
             num_padding_tokens=num_padding,
         )
-        return _Batch(self._long(input_ids), self._long(positions), meta, sample_rows, sample_ids)
+        max_position = max((c.end - 1 for c in output.chunks), default=0)
+        return _Batch(
+            self._long(input_ids), self._long(positions), meta, sample_rows, sample_ids, max_position
+        )
 
     @staticmethod
     def _blocks_for(chunk: ScheduledChunk, state: _RequestState, block_size: int) -> list[int]:

@@ -27,10 +27,8 @@ class RMSNorm(nn.Module):
         self.weight = _param(size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as the reference does, then scale in the model's dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # One fused kernel; it normalises in float32 internally, as the reference does.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -51,13 +49,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         cfg = self.cfg
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
+        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(-1, num_qk_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, : cfg.num_heads]), self.k_norm(qk[:, cfg.num_heads :])), dim=1)
+        # q and k share the rotation tables: rotate them in one pass.
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return F.linear(out.reshape(-1, cfg.q_size), self.o_weight, self.o_bias)
 
@@ -110,7 +109,7 @@ class DecoderModel(nn.Module):
             if cfg.tie_word_embeddings
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
-        self.rotary = RotaryEmbedding(cfg, device)
+        self.rotary = RotaryEmbedding(cfg, dtype, device)
         self.backend: AttentionBackend = TorchSdpaAttention()
 
     @torch.inference_mode()
@@ -120,9 +119,13 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_position: int | None = None,
     ) -> torch.Tensor:
+        """``max_position`` (the largest entry of ``positions``) saves a device sync when given."""
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
+        cos, sin = self.rotary.cos_sin(positions, max_position)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, k_cache, v_cache, meta, self.backend)
         return self.norm(x)

@@ -33,21 +33,35 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Turns a step's positions into the cos/sin tables every layer applies to q and k."""
+    """Turns a step's positions into the cos/sin tables every layer applies to q and k.
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
-        self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling).to(
-            device
-        )
+    The tables are precomputed (in float32, then cast once to the model dtype) and grown on demand,
+    so a step costs one row lookup instead of trigonometry. ``sin`` is stored with the first half
+    negated, which lets ``apply_rotary`` rotate with one flip instead of slice/negate/concatenate.
+    """
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.inv_freq = inv_freq.to(device)
+        self.dtype = dtype
+        self._cos = self._signed_sin = torch.empty(0, config.head_dim, dtype=dtype, device=device)
+        self._grow(min(config.max_position_embeddings, 4096))
+
+    def _grow(self, length: int) -> None:
+        positions = torch.arange(length, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        self._cos = torch.cat((freqs, freqs), dim=-1).cos().to(self.dtype)
+        self._signed_sin = torch.cat((-freqs, freqs), dim=-1).sin().to(self.dtype)
+
+    def cos_sin(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, head_dim] tables for ``positions`` (``max_position`` bounds them, host-side)."""
+        if max_position >= self._cos.shape[0]:
+            self._grow(max(2 * self._cos.shape[0], max_position + 1))
+        return self._cos[positions][:, None, :], self._signed_sin[positions][:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; the half-rotation (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    t, heads, dim = x.shape
+    swapped = x.view(t, heads, 2, dim // 2).flip(2).view(t, heads, dim)
+    return torch.addcmul(x * cos, swapped, signed_sin)
