@@ -19,7 +19,7 @@ from jitney.server.launch import EngineBundle, ServerThread, make_app
 
 API_KEY = "test-key"
 ENGINE_OPTIONS = dict(
-    dtype="float32", num_blocks=96, block_size=16, max_model_len=256, max_num_seqs=32,
+    dtype="float32", num_blocks=2600, block_size=16, max_model_len=2048, max_num_seqs=32,
     max_num_batched_tokens=128,
 )
 MODEL = "tiny"
@@ -54,7 +54,8 @@ def client(server):
 
 def post(server, path: str, body, key: str | None = API_KEY, **kwargs) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
-    return httpx.post(server.base_url + path, json=body, headers=headers, timeout=60, **kwargs)
+    kwargs.setdefault("timeout", 60)
+    return httpx.post(server.base_url + path, json=body, headers=headers, **kwargs)
 
 
 def wait_until_idle(server, timeout_s: float = 20.0):
@@ -172,7 +173,7 @@ def test_64_concurrent_streams_match_the_offline_llm_and_free_every_block(server
 
 def test_disconnected_clients_are_aborted_and_the_server_keeps_serving(server, client):
     async def drop_mid_stream(c: httpx.AsyncClient):
-        body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 200, "ignore_eos": True,
+        body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 2000, "ignore_eos": True,
                 "stream": True}
         async with c.stream("POST", "/v1/completions", json=body) as resp:
             assert resp.status_code == 200
@@ -190,18 +191,30 @@ def test_disconnected_clients_are_aborted_and_the_server_keeps_serving(server, c
 
     aborted_before = _metric(server, "jitney:request_success_total", finished_reason="abort")
     asyncio.run(run_all())
-    wait_until_idle(server)  # 20 x 200 tokens would take far longer than this if they kept running
+    wait_until_idle(server)
     assert _metric(server, "jitney:request_success_total", finished_reason="abort") - aborted_before == 20
     r = client.completions.create(model=MODEL, prompt="still there?", max_tokens=3)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_non_streaming_client_that_leaves_is_aborted(server):
+    aborted_before = _metric(server, "jitney:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": "a long answer", "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        post(server, "/v1/completions", body, timeout=httpx.Timeout(60, read=0.2))
+    deadline = time.monotonic() + 20
+    while _metric(server, "jitney:request_success_total", finished_reason="abort") == aborted_before:
+        assert time.monotonic() < deadline, "the abandoned request was not aborted"
+        time.sleep(0.05)
+    wait_until_idle(server)
 
 
 # -- errors ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": list(range(3, 300)), "max_tokens": 1}, "prompt"),  # longer than max_model_len
-        ({"prompt": "hi there", "max_tokens": 255}, "prompt"),  # prompt + max_tokens over max_model_len
+        ({"prompt": [5] * 2100, "max_tokens": 1}, "prompt"),  # longer than max_model_len
+        ({"prompt": "hi there", "max_tokens": 2047}, "prompt"),  # prompt + max_tokens over max_model_len
         ({"prompt": "hi", "temperature": -0.5}, "temperature"),
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
@@ -221,7 +234,7 @@ def test_bad_completion_requests_get_400_in_the_openai_shape(server, body, param
 
 
 def test_request_that_can_never_fit_the_kv_pool_is_refused_at_once(checkpoint):
-    llm = LLM(checkpoint, **{**ENGINE_OPTIONS, "num_blocks": 4})  # 64 tokens of KV
+    llm = LLM(checkpoint, **{**ENGINE_OPTIONS, "num_blocks": 4, "max_model_len": 256})  # 64 tokens of KV
     bundle = EngineBundle(llm.engine, llm.tokenizer, MODEL, 256)
     with ServerThread(make_app(bundle)) as srv:
         r = post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 100}, key=None)

@@ -25,7 +25,7 @@ from jitney.tokenizer import Tokenizer
 
 logger = logging.getLogger("jitney.server")
 
-_DISCONNECT_POLL_S = 0.25
+_DISCONNECT_POLL_S = 0.1
 
 
 @dataclass
