@@ -376,8 +376,116 @@ def _run_throughput(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in runs) else 1
 
 
+# ---- profile ----------------------------------------------------------------------------------
+
+
 def _register_profile(sub: argparse._SubParsersAction) -> None:
-    pass
+    p = sub.add_parser("profile", help="profile engine steps, fit the simulator's cost model, validate it")
+    p.add_argument(
+        "--model", help="checkpoint directory, .gguf file or known name (default: the bundled model)"
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    p.add_argument("--num-blocks", type=_positive_int, default=1024)
+    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--max-model-len", type=_positive_int, default=2048)
+    p.add_argument("--threads", type=_positive_int, help="torch threads of the profiled and served engine")
+    p.add_argument("--prefill-lens", type=_int_list, default=[16, 64, 128, 256, 512])
+    p.add_argument("--decode-batches", type=_int_list, default=[1, 4, 8, 16, 32])
+    p.add_argument("--decode-contexts", type=_int_list, default=[64, 256])
+    p.add_argument("--repeats", type=_positive_int, default=2, help="times each grid cell is run")
+    p.add_argument("--holdout", type=float, default=0.25, help="share of steps held out of the fit")
+    p.add_argument("--out", default="profile.jsonl", help="JSON Lines profile to write")
+    p.add_argument("--no-validate", action="store_true", help="skip the measured-vs-simulated serving run")
+    p.add_argument("--num-prompts", type=_positive_int, default=40, help="validation requests")
+    p.add_argument("--request-rate", type=_positive_float, default=1.0, help="validation Poisson rate, req/s")
+    p.add_argument("--input-len", default="lognormal:128,0.6,16,512")
+    p.add_argument("--output-len", default="lognormal:64,0.6,8,256")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", help="write fit, held-out error and validation here")
+    p.set_defaults(func=_run_profile)
 
 
-__all__ = ["register", "CliError"]
+def _run_profile(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import replace
+    from pathlib import Path
+
+    from jitney.bench import calibrate as cal
+    from jitney.bench.compare import DEFAULT_FIELDS, compare, format_compare
+    from jitney.bench.datasets import LengthDist, TokenSpace, random_requests
+    from jitney.bench.serve import arrival_offsets
+    from jitney.model.registry import resolve_model
+
+    if not 0 < args.holdout < 1:
+        raise CliError(f"--holdout must be in (0, 1), got {args.holdout}")
+    model = str(resolve_model(args.model).path)
+    settings = cal.EngineSettings(
+        model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        threads=args.threads,
+    )
+    grid = cal.ProfileGrid(
+        prefill_lens=tuple(args.prefill_lens),
+        decode_batches=tuple(args.decode_batches),
+        decode_contexts=tuple(args.decode_contexts),
+        repeats=args.repeats,
+    )
+    input_len, output_len = LengthDist.parse(args.input_len), LengthDist.parse(args.output_len)
+    profiled = cal.profile_engine(settings, grid, seed=args.seed)
+    rows = profiled.rows
+    path = cal.write_jsonl(rows, args.out)
+    cost, held = cal.fit_profile(rows, args.holdout, args.seed)
+    print(f"profile: {len(rows)} steps -> {path}")
+    print(
+        f"fit on {len(rows) - held.num_steps - held.num_trimmed} steps "
+        f"({held.num_trimmed} interference outliers trimmed): {cost.describe()}"
+    )
+    print(
+        f"held-out {held.num_steps} steps: median abs error {held.median_abs_pct_error:.1f}%, "
+        f"mean abs error {held.mean_abs_pct_error:.1f}%, "
+        f"RMSE {held.rmse_ms:.2f} ms, total time {held.total_time_error:+.1%}"
+    )
+    body: dict = {
+        "settings": vars(settings),
+        "profile": str(path),
+        "fit": cost.describe(),
+        "held_out": vars(held),
+    }
+    if not args.no_validate:
+        vocab = profiled.vocab_size
+        reqs = random_requests(
+            args.num_prompts,
+            input_len,
+            output_len,
+            seed=args.seed,
+            tokens=TokenSpace(vocab_size=vocab, first_id=min(10, vocab - 1)),
+        )
+        offsets = arrival_offsets(len(reqs), args.request_rate, seed=args.seed)
+        reqs = [replace(r, arrival=t) for r, t in zip(reqs, offsets, strict=True)]
+        val = cal.validate(settings, reqs, cost)
+        print(
+            f"\nsame traffic ({len(reqs)} requests, Poisson {args.request_rate:g} req/s), "
+            "simulated vs measured:\n"
+        )
+        print(format_compare(compare(val.simulated, val.measured, DEFAULT_FIELDS), "simulated", "measured"))
+        print(
+            "\nheadline: "
+            + ", ".join(f"{k} {v:+.1%}" if v is not None else f"{k} -" for k, v in val.errors.items())
+        )
+        body["validation"] = {
+            "simulated": val.simulated,
+            "measured": val.measured,
+            "errors": val.errors,
+            "num_prompts": len(reqs),
+            "request_rate": args.request_rate,
+        }
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(body, indent=1, default=str))
+    return 0

@@ -1,0 +1,340 @@
+"""Calibrating the simulator against the real engine.
+
+1. Profile: run a grid of step shapes (prefill lengths, decode batches at several contexts, decodes
+   mixed with an arriving prompt) on the real engine, timing every whole step (schedule, execute,
+   update: what the virtual clock must advance by), and write them as JSON lines.
+2. Fit the simulator's ``profile`` cost model on most steps; report its error on held-out ones.
+3. Validate end to end: the same traffic through a real ``jitney serve`` process (measured by the
+   load generator) and through the simulator with the fitted model; relative error of mean TTFT,
+   p95 TPOT and throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from jitney.bench.compare import headline_errors
+from jitney.bench.datasets import BenchRequest, TokenSpace, as_traffic
+from jitney.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the profiled engine, the served engine and the simulated scheduler share."""
+
+    model: str
+    dtype: str = "float32"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    num_blocks: int = 1024
+    block_size: int = 16
+    max_model_len: int = 2048
+    policy: str = "chunked"
+    threads: int | None = None  # torch threads for both the profile and the server (None: torch's)
+
+    def llm_kwargs(self) -> dict:
+        return dict(
+            dtype=self.dtype,
+            max_num_seqs=self.max_num_seqs,
+            policy=self.policy,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+        )
+
+    def serve_args(self) -> list[str]:
+        return [
+            self.model,
+            "--dtype",
+            self.dtype,
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--num-blocks",
+            str(self.num_blocks),
+            "--block-size",
+            str(self.block_size),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--policy",
+            self.policy,
+        ]
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """Step shapes to visit. Each cell is run ``repeats`` times; every step of it is recorded."""
+
+    prefill_lens: tuple[int, ...] = (16, 64, 128, 256, 512)
+    decode_batches: tuple[int, ...] = (1, 4, 8, 16, 32)
+    decode_contexts: tuple[int, ...] = (64, 256)
+    decode_steps: int = 8
+    mixed_batches: tuple[int, ...] = (4, 16)
+    mixed_prompt: int = 256
+    repeats: int = 2
+
+    def cells(self) -> list[tuple[str, list[int], int, int, int]]:
+        """(name, prompt lengths, output length, late prompt length or 0, steps before it)."""
+        cells = [(f"prefill-{p}", [p], 2, 0, 0) for p in self.prefill_lens]
+        cells += [
+            (f"decode-b{b}-c{c}", [c] * b, self.decode_steps, 0, 0)
+            for b in self.decode_batches
+            for c in self.decode_contexts
+        ]
+        cells += [
+            (f"mixed-b{b}-p{self.mixed_prompt}", [32] * b, self.decode_steps + 4, self.mixed_prompt, 3)
+            for b in self.mixed_batches
+        ]
+        return cells * self.repeats
+
+
+@dataclass
+class ProfileRun:
+    rows: list[dict]
+    vocab_size: int  # of the profiled model: random prompts for the validation run use it
+
+
+def profile_engine(settings: EngineSettings, grid: ProfileGrid, seed: int = 0) -> ProfileRun:
+    """Run every grid cell on a fresh request set and time each engine step from the outside."""
+    import torch
+
+    from jitney import LLM
+
+    threads_before = torch.get_num_threads()
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    try:
+        return _profile(LLM(settings.model, **settings.llm_kwargs()), grid, seed)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _profile(llm, grid: ProfileGrid, seed: int) -> ProfileRun:
+    engine = llm.engine
+    tokens = TokenSpace(vocab_size=llm.tokenizer.vocab_size, first_id=min(10, llm.tokenizer.vocab_size - 1))
+    rng = np.random.default_rng(seed)
+    captured: list = []
+    engine.step_listeners.append(captured.append)
+
+    def add(lengths: list[int], out_len: int) -> None:
+        for n in lengths:
+            params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0)
+            engine.add_request(engine.make_request(list(tokens.draw(rng, n)), params))
+
+    # Warm-up: the first steps pay for allocations and kernel selection that later ones do not.
+    add([64, 64], 4)
+    while engine.has_unfinished():
+        engine.step()
+    rows = []
+    for name, lengths, out_len, late_prompt, late_after in grid.cells():
+        add(lengths, out_len)
+        step = 0
+        while engine.has_unfinished():
+            if late_prompt and step == late_after:
+                add([late_prompt], 2)
+            captured.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            ms = (time.perf_counter() - t0) * 1e3
+            step += 1
+            if captured:
+                rec = captured[-1]
+                rows.append(
+                    {
+                        "prefill_tokens": rec.prefill_tokens,
+                        "decode_tokens": rec.decode_tokens,
+                        "context_tokens": rec.context_tokens,
+                        "ms": round(ms, 4),
+                        "execute_ms": round(rec.ms, 4),
+                        "cell": name,
+                    }
+                )
+    return ProfileRun(rows, llm.tokenizer.vocab_size)
+
+
+def write_jsonl(rows: list[dict], path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+def split_rows(rows: list[dict], holdout: float, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    if not 0 < holdout < 1:
+        raise ValueError(f"held-out share must be in (0, 1), got {holdout}")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    cut = max(1, int(round(len(rows) * holdout)))
+    test = sorted(order[:cut])
+    train = sorted(order[cut:])
+    return [rows[i] for i in train], [rows[i] for i in test]
+
+
+def _tuples(rows: list[dict]) -> list[tuple[int, int, int, float]]:
+    return [(r["prefill_tokens"], r["decode_tokens"], r["context_tokens"], r["ms"]) for r in rows]
+
+
+@dataclass(frozen=True)
+class HeldOutError:
+    num_steps: int
+    mean_abs_pct_error: float
+    median_abs_pct_error: float  # robust to the few steps another process on the cores stretched
+    rmse_ms: float
+    total_time_error: float  # (predicted sum - measured sum) / measured sum
+    num_trimmed: int  # training steps dropped as interference outliers before the final fit
+
+
+def _predict_ms(cost, rows: list[dict]) -> np.ndarray:
+    from jitney.sim.roofline import StepShape
+
+    shapes = [StepShape(r["prefill_tokens"], r["decode_tokens"], r["context_tokens"], 0) for r in rows]
+    return np.array([cost.step_seconds(s) * 1e3 for s in shapes])
+
+
+def _trim_outliers(rows: list[dict], k: float = 4.0) -> list[dict]:
+    """Drop steps far slower than the first fit predicts (more than ``k`` robust deviations of the
+    residuals): on shared cores a descheduled thread turns a 1 ms step into 100 ms, which is not
+    the engine's cost and would drag a least-squares plane away from every other step."""
+    from jitney.sim.costs import ProfileCost
+
+    cost = ProfileCost.fit_samples(_tuples(rows))
+    resid = np.array([r["ms"] for r in rows]) - _predict_ms(cost, rows)
+    spread = 1.4826 * float(np.median(np.abs(resid - np.median(resid)))) or 1e-9
+    keep = [r for r, e in zip(rows, resid, strict=True) if e <= k * spread]
+    return keep if len(keep) >= 4 else rows
+
+
+def fit_profile(rows: list[dict], holdout: float = 0.25, seed: int = 0, trim: bool = True):
+    """Fit ``ProfileCost`` on the training steps (interference outliers trimmed); its error on
+    every held-out step, none trimmed."""
+    from jitney.sim.costs import ProfileCost
+
+    train, test = split_rows(rows, holdout, seed)
+    fit_rows = _trim_outliers(train) if trim else train
+    cost = ProfileCost.fit_samples(_tuples(fit_rows))
+    measured = np.array([r["ms"] for r in test])
+    predicted = _predict_ms(cost, test)
+    pct = np.abs(predicted - measured) / measured * 100
+    err = HeldOutError(
+        num_steps=len(test),
+        mean_abs_pct_error=float(np.mean(pct)),
+        median_abs_pct_error=float(np.median(pct)),
+        rmse_ms=float(np.sqrt(np.mean((predicted - measured) ** 2))),
+        total_time_error=float((predicted.sum() - measured.sum()) / measured.sum()),
+        num_trimmed=len(train) - len(fit_rows),
+    )
+    return cost, err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def served(settings: EngineSettings, timeout_s: float = 300.0, log_path: Path | None = None) -> Iterator[str]:
+    """``jitney serve`` in its own process on a free 127.0.0.1 port; yields its base URL and
+    stops it (SIGTERM, then kill) on exit."""
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "jitney.cli",
+        "serve",
+        *settings.serve_args(),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
+    env = dict(os.environ)
+    if settings.threads:
+        env["OMP_NUM_THREADS"] = str(settings.threads)  # torch sizes its intra-op pool from it
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"jitney serve exited with {proc.returncode} before answering /health")
+            try:
+                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"jitney serve did not answer /health within {timeout_s:g} s")
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log is not subprocess.DEVNULL:
+            log.close()
+
+
+def simulate_requests(settings: EngineSettings, requests: list[BenchRequest], cost):
+    """The simulator's run of the same requests (same arrivals, lengths, limits and KV pool)."""
+    from jitney.config import CacheConfig, SchedulerConfig
+    from jitney.sim.simulator import run
+
+    sched = SchedulerConfig(
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        policy=settings.policy,
+        max_model_len=settings.max_model_len,
+    )
+    cache = CacheConfig(block_size=settings.block_size, num_blocks=settings.num_blocks)
+    return run(as_traffic(requests), sched, cache, cost, label="simulated")
+
+
+@dataclass
+class Validation:
+    measured: dict
+    simulated: dict
+    errors: dict[str, float | None]
+
+
+def validate(
+    settings: EngineSettings,
+    requests: list[BenchRequest],
+    cost,
+    *,
+    log_path: Path | None = None,
+    show_progress: bool = False,
+) -> Validation:
+    """Measured ``bench serve`` run vs simulated run of the same timed requests."""
+    from jitney.bench.client import ApiTarget, discover_model
+    from jitney.bench.serve import LoadConfig, run_load
+
+    if any(r.arrival is None for r in requests):
+        raise ValueError("validation needs requests with arrival times")
+    with served(settings, log_path=log_path) as url:
+        target = ApiTarget(url, discover_model(url))
+        result = run_load(target, requests, LoadConfig(num_warmups=2, show_progress=show_progress))
+    measured = result.summary().to_dict()
+    simulated = simulate_requests(settings, requests, cost).summary().to_dict()
+    return Validation(measured, simulated, headline_errors(simulated, measured))
