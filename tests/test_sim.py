@@ -223,7 +223,7 @@ def test_sweep_marks_where_static_saturates(tmp_path, capsys):
         (["--policy", "fifo"], "policies are"),
         (["--chunk", "0"], "integers >= 1"),
         (["--cost", "profile"], "--profile FILE"),
-        (["--rate", "-1"], "rate must be > 0"),
+        (["--rate", "-1"], "rate must be a finite number > 0"),
         (["--sweep-rate", "5:1:1"], "0 < A <= B"),
         (["--trace", "/nonexistent.csv"], "no trace file"),
         (["--num-blocks", "0"], "num_blocks"),

@@ -107,6 +107,15 @@ def _cost(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise CliError(f"cannot write {exc.filename or 'output'}: {exc.strerror or exc}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
     from jitney.config import CacheConfig
     from jitney.metrics import SLO
     from jitney.sim.experiment import outcome_json, policy_runs, run_all, table, totals_check

@@ -79,6 +79,7 @@ def default_cache_config(
 ) -> CacheConfig:
     """A pool that holds ``max_num_seqs`` of the longest requests: nothing is ever preempted,
     as in the seed's simulator, which has no KV limit."""
+    CacheConfig(block_size=block_size, num_blocks=1)  # validates block_size before it divides
     longest = max((it.prompt_len + it.output_len for it in items), default=1)
     return CacheConfig(
         block_size=block_size,

@@ -16,6 +16,7 @@ SEED_RATE = 16.0
 SEED_DURATION_S = 30.0
 MIN_PROMPT, MAX_PROMPT = 64, 4096
 MIN_OUTPUT, MAX_OUTPUT = 16, 384
+MAX_REQUESTS = 2_000_000  # keeps one run's timestamps within a few GiB of memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +40,17 @@ class TrafficSpec:
     seed_units: bool = False
 
     def __post_init__(self) -> None:
-        if not self.rate > 0:
-            raise ValueError(f"rate must be > 0 req/s, got {self.rate}")
-        if not self.duration_s > 0:
-            raise ValueError(f"duration must be > 0 s, got {self.duration_s}")
-        if not self.burstiness > 0:
-            raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
+        if not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ValueError(f"rate must be a finite number > 0 req/s, got {self.rate}")
+        if not (self.duration_s > 0 and math.isfinite(self.duration_s)):
+            raise ValueError(f"duration must be a finite number > 0 s, got {self.duration_s}")
+        if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
+            raise ValueError(f"burstiness must be a finite number > 0, got {self.burstiness}")
+        expected = self.rate * self.duration_s
+        if expected > MAX_REQUESTS:
+            raise ValueError(
+                f"rate x duration = {expected:.0f} requests; at most {MAX_REQUESTS:,} fit in one simulation"
+            )
 
 
 def generate(spec: TrafficSpec) -> list[TrafficItem]:
@@ -98,7 +104,7 @@ def load_trace(path: str | Path) -> list[TrafficItem]:
     """Read a trace: CSV with a header, or JSON Lines (``.jsonl``/``.json``), one request per row
     with arrival (seconds), prompt and output lengths, optional priority. Sorted by arrival."""
     p = Path(path)
-    if not p.exists():
+    if not p.is_file():
         raise FileNotFoundError(f"no trace file at {p}")
     items: list[TrafficItem] = []
     if p.suffix in (".jsonl", ".json", ".ndjson"):
