@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from jitney.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from jitney.config import SchedulerConfig
 from jitney.core.outputs import ExecutorResult, SchedulerOutput
 from jitney.core.scheduler import AdmissionError, Scheduler
 from jitney.engine import Engine
@@ -170,3 +171,31 @@ def test_drain_finishes_or_aborts_and_then_refuses(engine, llm):
             await ae.shutdown()
 
     run(main())
+
+
+def test_priority_orders_waiting_requests(llm):
+    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=1024, queue="priority")
+    engine = Engine(Scheduler(config, llm.cache_config), llm.runner, llm.tokenizer)
+    finished: list[str] = []
+
+    async def collect(ae, request_id, priority, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        stream = await ae.add_request([4, 5, 6], params, request_id=request_id, priority=priority)
+        async for out in stream:
+            if out.finished:
+                finished.append(request_id)
+
+    async def main():
+        ae = await _started(engine)
+        try:
+            first = asyncio.create_task(collect(ae, "running", 0, 200))
+            while engine.num_steps < 2:
+                await asyncio.sleep(0.01)
+            later = [asyncio.create_task(collect(ae, rid, prio, 2)) for rid, prio in
+                     (("low", 5), ("lowest", 7), ("high", 1))]
+            await asyncio.gather(first, *later)
+        finally:
+            await ae.shutdown()
+
+    run(main())
+    assert finished == ["running", "high", "low", "lowest"]
