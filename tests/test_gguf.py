@@ -32,7 +32,7 @@ from jitney.model.registry import resolve_model_path
 
 HEADS, KV_HEADS = 4, 2
 TINY_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=HEADS,
-                  num_key_value_heads=KV_HEADS, num_hidden_layers=2)
+                  num_key_value_heads=KV_HEADS, num_hidden_layers=3)
 
 # One type per tensor so that each supported type (and both Q/K permutations) is exercised.
 TENSOR_TYPES = {
@@ -51,8 +51,13 @@ TENSOR_TYPES = {
     "blk.1.ffn_gate.weight": Q.Q5_0,
     "blk.1.ffn_up.weight": Q.Q5_1,
     "blk.1.ffn_down.weight": Q.F16,
+    "blk.2.attn_q.weight": Q.Q5_K,
+    "blk.2.attn_k.weight": Q.Q3_K,
+    "blk.2.attn_v.weight": Q.Q2_K,
 }
-K_QUANT_BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}
+# Block sizes and where the f16 super-block scales sit in each K-quant block.
+K_QUANT_BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_K: 176, Q.Q3_K: 110, Q.Q2_K: 84}
+K_QUANT_SCALE_SLOTS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (-2,), Q.Q3_K: (-2,), Q.Q2_K: (-4, -2)}
 
 
 def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -66,11 +71,8 @@ def _k_quant_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) ->
     block_bytes = K_QUANT_BLOCK_BYTES[qtype]
     blocks = rng.integers(0, 256, size=(rows * cols // 256, block_bytes), dtype=np.uint8)
     scale = np.full((blocks.shape[0],), 0.002, dtype=np.float16).view(np.uint8).reshape(-1, 2)
-    if qtype == Q.Q4_K:  # d and dmin lead the block
-        blocks[:, 0:2] = scale
-        blocks[:, 2:4] = scale
-    else:  # Q6_K: d closes the block
-        blocks[:, -2:] = scale
+    for start in K_QUANT_SCALE_SLOTS[qtype]:
+        blocks[:, start : start + 2 if start != -2 else None] = scale
     return blocks.reshape(rows, cols // 256 * block_bytes)
 
 

@@ -10,6 +10,7 @@ as a safetensors one.
 
 from __future__ import annotations
 
+import logging
 import re
 import struct
 from dataclasses import dataclass, field
@@ -19,7 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from jitney.tokenizer import Tokenizer, TokenizerError
+from jitney.tokenizer import KNOWN_PRE_TOKENIZERS, Tokenizer, TokenizerError
+
+logger = logging.getLogger(__name__)
 
 
 class GgufError(ValueError):
@@ -285,12 +288,18 @@ def tokenizer_from_metadata(metadata: dict[str, Any]) -> Tokenizer:
         value = metadata.get(f"tokenizer.ggml.{name}_token_id")
         return None if value is None else int(value)
 
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in KNOWN_PRE_TOKENIZERS:
+        # Refusing the file would be worse than a split that may differ on rare inputs.
+        logger.warning("unknown GGUF pre-tokenizer %r: splitting text the GPT-2 way", pre)
+        pre = "default"
+
     try:
         return Tokenizer.from_byte_level_bpe(
             tokens,
             merges,
             token_types=metadata.get("tokenizer.ggml.token_type"),
-            pre_tokenizer=metadata.get("tokenizer.ggml.pre", "default"),
+            pre_tokenizer=pre,
             bos_token_id=token_id("bos"),
             eos_token_id=token_id("eos"),
             unk_token_id=token_id("unknown"),
