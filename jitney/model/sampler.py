@@ -81,7 +81,8 @@ def _top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens strictly more likely than it already reach top_p.
         before = probs.cumsum(dim=-1) - probs
-        cut = before >= top_p.unsqueeze(1)
+        # (rows at top_p == 1 are exempt: float rounding in the cumsum must not cut their tail)
+        cut = (before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
         cut[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
