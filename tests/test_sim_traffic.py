@@ -127,3 +127,44 @@ def test_bad_profiles_are_rejected(tmp_path):
         ProfileCost.from_jsonl(path)
     with pytest.raises(ValueError, match="at least 4"):
         ProfileCost.fit_samples([(1, 1, 1, 1.0)])
+
+
+def test_profile_written_by_the_real_engine_drives_the_simulator(tiny_checkpoint, tmp_path, capsys):
+    from jitney.llm import LLM
+    from jitney.request import SamplingParams
+
+    path = tmp_path / "steps.jsonl"
+    llm = LLM(
+        tiny_checkpoint("llama"),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=32,
+        profile_path=path,
+    )
+    try:
+        prompts = [[5 + i] * (20 + 15 * i) for i in range(6)]
+        llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0), use_tqdm=False)
+    finally:
+        llm.close()
+    cost = ProfileCost.from_jsonl(path)
+    assert cost.fit.num_samples >= 10 and cost.fit.rmse_ms >= 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--cost",
+                "profile",
+                "--profile",
+                str(path),
+                "--duration",
+                "2",
+                "--rate",
+                "2",
+                "--policy",
+                "chunked",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "profile:" in out and "RMSE" in out and "finished: ok" in out

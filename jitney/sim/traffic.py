@@ -102,7 +102,8 @@ def _item(row: dict, where: str) -> TrafficItem:
 
 def load_trace(path: str | Path) -> list[TrafficItem]:
     """Read a trace: CSV with a header, or JSON Lines (``.jsonl``/``.json``), one request per row
-    with arrival (seconds), prompt and output lengths, optional priority. Sorted by arrival."""
+    with arrival (seconds), prompt and output lengths, optional priority. Sorted by arrival and
+    shifted so the first request arrives at 0 (a trace may carry wall-clock timestamps)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no trace file at {p}")
@@ -126,4 +127,7 @@ def load_trace(path: str | Path) -> list[TrafficItem]:
     if not items:
         raise ValueError(f"{p}: the trace holds no requests")
     items.sort(key=lambda it: it.arrival)
+    t0 = items[0].arrival
+    if t0 > 0:
+        items = [TrafficItem(it.arrival - t0, it.prompt_len, it.output_len, it.priority) for it in items]
     return items
