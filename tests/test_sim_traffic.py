@@ -53,11 +53,11 @@ def test_bad_traffic_parameters_are_rejected():
 
 def test_csv_and_jsonl_traces_replay_sorted_by_arrival(tmp_path):
     csv_path = tmp_path / "t.csv"
-    csv_path.write_text("arrival,prompt_len,output_len,priority\n0.5,100,10,1\n0.1,50,5,\n")
-    items = load_trace(csv_path)
+    csv_path.write_text("arrival,prompt_len,output_len,priority\n1000.5,100,10,1\n1000.25,50,5,\n")
+    items = load_trace(csv_path)  # sorted, and shifted so the first arrives at 0
     assert [(i.arrival, i.prompt_len, i.output_len, i.priority) for i in items] == [
-        (0.1, 50, 5, 0),
-        (0.5, 100, 10, 1),
+        (0.0, 50, 5, 0),
+        (0.25, 100, 10, 1),
     ]
     jl = tmp_path / "t.jsonl"
     jl.write_text(json.dumps({"arrival_time": 0.0, "prompt_tokens": 7, "output_tokens": 3}) + "\n\n")
