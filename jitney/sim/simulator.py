@@ -108,8 +108,9 @@ class _PromptTokens:
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """A simulation allocates millions of small objects that live to the end of the run; Python's
-    cyclic collector would rescan them all again and again. Nothing here forms cycles."""
+    """A simulation allocates millions of small objects that live to the end of the run (requests,
+    token lists, timestamps); Python's cyclic collector would rescan them again and again. Their
+    garbage is freed by reference counting meanwhile; any cycle waits for the collector's return."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
