@@ -88,6 +88,18 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ construction
     @classmethod
+    def from_path(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of a checkpoint directory or of a ``.gguf`` file (no weights are read)."""
+        target = Path(path)
+        if target.is_file() and target.suffix.lower() == ".gguf":
+            from jitney.model.gguf import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(target)
+        if target.is_dir():
+            return cls.from_directory(target)
+        raise TokenizerError(f"{target} is neither a checkpoint directory nor a .gguf file")
+
+    @classmethod
     def from_directory(cls, path: str | Path) -> Tokenizer:
         """Load ``tokenizer.json`` and the settings HF stores next to it."""
         root = Path(path)

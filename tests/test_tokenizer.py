@@ -162,3 +162,13 @@ def test_rebuild_rejects_inconsistent_vocabularies(checkpoint):
         Tokenizer.from_byte_level_bpe(tokens, merges, eos_token_id=len(tokens))
     with pytest.raises(TokenizerError, match="unknown byte-level pre-tokenizer 'klingon'"):
         byte_level_pre_tokenizer("klingon")
+
+
+def test_from_path_picks_the_loader(checkpoint, tmp_path):
+    from jitney.model.registry import resolve_model_path
+
+    assert Tokenizer.from_path(checkpoint).encode("fox") == Tokenizer.from_directory(checkpoint).encode("fox")
+    gguf_tok = Tokenizer.from_path(resolve_model_path())
+    assert gguf_tok.eos_token == "<|im_end|>"
+    with pytest.raises(TokenizerError, match="neither"):
+        Tokenizer.from_path(tmp_path / "nothing")
