@@ -115,6 +115,13 @@ def profile_engine(settings: EngineSettings, grid: ProfileGrid, seed: int = 0) -
 
     from jitney import LLM
 
+    for name, lengths, out_len, late_prompt, _ in grid.cells():
+        longest = max([*lengths, late_prompt]) + out_len
+        if longest > settings.max_model_len:
+            raise ValueError(
+                f"grid cell {name} needs {longest} tokens, more than max_model_len "
+                f"{settings.max_model_len}: shorten the grid or raise --max-model-len"
+            )
     threads_before = torch.get_num_threads()
     if settings.threads:
         torch.set_num_threads(settings.threads)

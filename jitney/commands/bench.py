@@ -394,6 +394,7 @@ def _register_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-lens", type=_int_list, default=[16, 64, 128, 256, 512])
     p.add_argument("--decode-batches", type=_int_list, default=[1, 4, 8, 16, 32])
     p.add_argument("--decode-contexts", type=_int_list, default=[64, 256])
+    p.add_argument("--mixed-prompt", type=_positive_int, default=256, help="prompt that lands among decodes")
     p.add_argument("--repeats", type=_positive_int, default=2, help="times each grid cell is run")
     p.add_argument("--holdout", type=float, default=0.25, help="share of steps held out of the fit")
     p.add_argument("--out", default="profile.jsonl", help="JSON Lines profile to write")
@@ -435,6 +436,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         prefill_lens=tuple(args.prefill_lens),
         decode_batches=tuple(args.decode_batches),
         decode_contexts=tuple(args.decode_contexts),
+        mixed_prompt=args.mixed_prompt,
         repeats=args.repeats,
     )
     input_len, output_len = LengthDist.parse(args.input_len), LengthDist.parse(args.output_len)
