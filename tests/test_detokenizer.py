@@ -153,3 +153,24 @@ def test_streamed_text_equals_the_reference_cut(tok, text, stop_picks, extra_sto
     assert hit == expected_hit
     assert "".join(deltas) == detok.text == expected
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_sentencepiece_style_spaces_survive_streaming():
+    # A Metaspace decoder drops the space of the first piece it sees; decoding each token alone
+    # would glue the words together.
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = Backend(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    corpus = ["hello world, the quick brown fox", "hello there world"] * 5
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"],
+                                                            show_progress=False))
+    tok = Tokenizer(backend=backend)
+    ids = tok.encode("hello world the fox")
+    assert "".join(tok.decode([i]) for i in ids) != "hello world the fox"
+    deltas, _, detok = stream(tok, ids[2:], prompt=ids[:2])
+    assert detok.text == tok.decode(ids)[len(tok.decode(ids[:2])):]
+    assert "".join(deltas) == detok.text
+    assert detok.text.startswith(" ") and detok.text.endswith(" the fox")
