@@ -131,6 +131,9 @@ def run(
     record_timeline: bool = False,
     max_steps: int = 100_000_000,
 ) -> SimResult:
+    """Simulate ``items`` (sorted by arrival) through one scheduler configuration."""
+    if any(b.arrival < a.arrival for a, b in zip(items, items[1:], strict=False)):
+        raise ValueError("traffic items must be sorted by arrival time")
     with gc_paused():
         return _run(items, scheduler_config, cache_config, cost, label, fast_path, record_timeline, max_steps)
 
