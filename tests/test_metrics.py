@@ -115,3 +115,19 @@ def test_from_request_reads_the_scheduler_stamps():
 
     req.status = RequestStatus.FINISHED_ABORTED
     assert not from_request(req).success
+
+
+@given(st.lists(st.lists(st.floats(min_value=0, max_value=1e3, allow_nan=False), max_size=6), max_size=8))
+def test_itl_is_every_gap_within_a_request_and_none_across(token_lists):
+    recs = [
+        RequestRecord(0.0, t[0], t[-1], 1, len(t), token_times=tuple(sorted(t)))
+        for t in token_lists
+        if t
+    ]
+    expected = [b - a for r in recs for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+    s = summarize(recs, duration=1.0) if recs else None
+    if expected:
+        assert s.itl.max == pytest.approx(max(expected) * 1000)
+        assert s.itl.mean == pytest.approx(sum(expected) / len(expected) * 1000)
+    elif s is not None:
+        assert s.itl.max == 0.0
