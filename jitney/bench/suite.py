@@ -1,0 +1,314 @@
+"""``python -m jitney.bench.suite`` (what ``make bench`` runs): the benchmarks that fit in about
+15 minutes on this machine, printed as markdown for docs/BENCHMARKS.md, with plots under
+docs/img/. Every section states the command that reproduces it.
+
+Sections: the machine and versions; the seed's slot benchmark (median of several runs); offline
+throughput of jitney's policies against the Hugging Face baselines on the bundled model; a
+``bench serve`` run against ``jitney serve``; the profile fit and the simulated-vs-measured check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+SECTIONS = ("slots", "throughput", "serve", "calibration")
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    """Sizes chosen so the whole set runs in about 15 minutes on 2 CPU cores."""
+
+    model: str | None = None  # None = the bundled model
+    dtype: str = "bfloat16"
+    sections: tuple[str, ...] = SECTIONS
+    img_dir: Path = Path("docs/img")
+    cache_dir: Path = Path(".cache/jitney-bench")
+    slots_repeats: int = 3
+    tp_prompts: int = 32
+    tp_input: str = "lognormal:256,0.6,16,1024"
+    tp_output: str = "lognormal:64,0.6,16,256"
+    serve_prompts: int = 40
+    serve_rate: float = 1.0
+    serve_input: str = "lognormal:256,0.6,16,1024"
+    serve_output: str = "lognormal:64,0.6,16,256"
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 200.0
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    num_blocks: int = 2048
+    profile_repeats: int = 2
+    seed: int = 0
+
+
+def _sh(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def machine_section() -> str:
+    import torch
+    import transformers
+
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    commit = _sh(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return "\n".join(
+        [
+            "## Machine and versions",
+            "",
+            f"- date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}, jitney commit {commit}",
+            f"- CPU: {cpu or platform.processor()} ({os.cpu_count()} cores), {mem_gib:.0f} GiB memory, "
+            "no GPU",
+            f"- Python {platform.python_version()}, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), transformers {transformers.__version__}",
+        ]
+    )
+
+
+def slots_section(cfg: SuiteConfig) -> str:
+    from jitney.bench.slots import SlotsConfig, format_table, run_all
+
+    runs = run_all(SlotsConfig(repeats=cfg.slots_repeats))
+    return "\n".join(
+        [
+            "## The seed's slot benchmark (task 08.2)",
+            "",
+            f"`jitney bench slots --repeats {cfg.slots_repeats}` — 64 requests, output lengths lognormal "
+            "(median 180, sigma 0.5) clipped to [64, 512], TinyLM (embedding + 4 MLP blocks + lm_head), "
+            f"torch.manual_seed(0), one thread; seconds are the median of {cfg.slots_repeats} runs.",
+            "",
+            format_table(runs),
+        ]
+    )
+
+
+def _model_dir(cfg: SuiteConfig) -> Path:
+    from jitney.bench.throughput import prepare_model
+
+    return prepare_model(cfg.model, cfg.cache_dir)
+
+
+def throughput_section(cfg: SuiteConfig) -> str:
+    from jitney.bench.datasets import LengthDist
+    from jitney.bench.throughput import ThroughputConfig, format_table, run_all
+
+    tcfg = ThroughputConfig(
+        model=cfg.model,
+        num_prompts=cfg.tp_prompts,
+        input_len=LengthDist.parse(cfg.tp_input),
+        output_len=LengthDist.parse(cfg.tp_output),
+        seed=cfg.seed,
+        dtype=cfg.dtype,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        hf_batch_size=cfg.max_num_seqs,
+        cache_dir=cfg.cache_dir,
+    )
+    model_dir, runs = run_all(tcfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    ok = [r for r in runs if r.ok]
+    tokens = f"{ok[0].input_tokens} prompt and {ok[0].requested_output_tokens} output tokens" if ok else ""
+    return "\n".join(
+        [
+            "## Offline throughput",
+            "",
+            f"`jitney bench throughput --num-prompts {cfg.tp_prompts} --input-len {cfg.tp_input} "
+            f"--output-len {cfg.tp_output} --seed {cfg.seed} --dtype {cfg.dtype} "
+            f"--max-num-seqs {cfg.max_num_seqs} "
+            f"--max-num-batched-tokens {cfg.max_num_batched_tokens} --hf-batch-size {cfg.max_num_seqs}` "
+            f"on {model_dir.name} ({tokens}; outputs forced, greedy). Each engine runs in its own process; "
+            "peak RSS includes the model and each engine's KV pool; one run each.",
+            "",
+            format_table(runs),
+        ]
+    )
+
+
+def serve_section(cfg: SuiteConfig) -> str:
+    from jitney.bench import calibrate as cal
+    from jitney.bench.client import ApiTarget, discover_model
+    from jitney.bench.datasets import LengthDist, TokenSpace, random_requests
+    from jitney.bench.peers import read_vocab_size
+    from jitney.bench.plots import plot_run
+    from jitney.bench.serve import LoadConfig, format_summary, run_load
+    from jitney.metrics import SLO
+
+    model_dir = _model_dir(cfg)
+    settings = cal.EngineSettings(
+        str(model_dir),
+        dtype=cfg.dtype,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        num_blocks=cfg.num_blocks,
+    )
+    vocab = read_vocab_size(model_dir)
+    reqs = random_requests(
+        cfg.serve_prompts,
+        LengthDist.parse(cfg.serve_input),
+        LengthDist.parse(cfg.serve_output),
+        seed=cfg.seed,
+        tokens=TokenSpace(vocab_size=vocab),
+    )
+    slo = SLO(ttft_ms=cfg.slo_ttft_ms, tpot_ms=cfg.slo_tpot_ms)
+    with cal.served(settings) as url:
+        target = ApiTarget(url, discover_model(url))
+        result = run_load(
+            target,
+            reqs,
+            LoadConfig(request_rate=cfg.serve_rate, seed=cfg.seed, num_warmups=2, show_progress=False),
+        )
+    paths = plot_run(result, cfg.img_dir, slo)
+    renamed = []
+    for p in paths:
+        target_path = p.with_name(f"serve_{p.name}")
+        p.replace(target_path)
+        renamed.append(target_path)
+    images = "\n".join(f"![{p.stem}](img/{p.name})" for p in renamed)
+    return "\n".join(
+        [
+            "## Serving: `jitney bench serve` against `jitney serve`",
+            "",
+            f"`jitney serve {model_dir} --dtype {cfg.dtype} --max-num-seqs {cfg.max_num_seqs} "
+            f"--max-num-batched-tokens {cfg.max_num_batched_tokens} --num-blocks {cfg.num_blocks}` and "
+            f"`jitney bench serve --num-prompts {cfg.serve_prompts} --input-len {cfg.serve_input} "
+            f"--output-len {cfg.serve_output} --request-rate {cfg.serve_rate:g} --seed {cfg.seed} "
+            f"--slo-ttft-ms {cfg.slo_ttft_ms:g} --slo-tpot-ms {cfg.slo_tpot_ms:g} --plot docs/img` "
+            "(client and server share the 2 cores).",
+            "",
+            "```",
+            format_summary(result, slo),
+            "```",
+            "",
+            images,
+        ]
+    )
+
+
+def calibration_section(cfg: SuiteConfig) -> str:
+    from jitney.bench import calibrate as cal
+    from jitney.bench.compare import HEADLINE
+    from jitney.bench.datasets import LengthDist, TokenSpace, random_requests
+    from jitney.bench.serve import arrival_offsets
+
+    model_dir = _model_dir(cfg)
+    settings = cal.EngineSettings(
+        str(model_dir),
+        dtype=cfg.dtype,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        num_blocks=cfg.num_blocks,
+    )
+    grid = cal.ProfileGrid(repeats=cfg.profile_repeats)
+    profiled = cal.profile_engine(settings, grid, seed=cfg.seed)
+    cal.write_jsonl(profiled.rows, cfg.cache_dir / "profile.jsonl")
+    cost, held = cal.fit_profile(profiled.rows, 0.25, cfg.seed)
+    reqs = random_requests(
+        cfg.serve_prompts,
+        LengthDist.parse(cfg.serve_input),
+        LengthDist.parse(cfg.serve_output),
+        seed=cfg.seed + 1,
+        tokens=TokenSpace(vocab_size=profiled.vocab_size),
+    )
+    offsets = arrival_offsets(len(reqs), cfg.serve_rate, seed=cfg.seed + 1)
+    reqs = [replace(r, arrival=t) for r, t in zip(reqs, offsets, strict=True)]
+    val = cal.validate(settings, reqs, cost)
+    rows = ["| figure | simulated | measured | rel. error |", "|---|---:|---:|---:|"]
+    for name in HEADLINE:
+        err = val.errors[name]
+        rows.append(
+            f"| {name} | {val.simulated[name]:.2f} | {val.measured[name]:.2f} | "
+            f"{'-' if err is None else f'{err:+.1%}'} |"
+        )
+    return "\n".join(
+        [
+            "## Calibration: profile fit and simulated vs measured",
+            "",
+            f"`jitney bench profile --model {model_dir} --dtype {cfg.dtype} "
+            f"--max-num-seqs {cfg.max_num_seqs} "
+            f"--max-num-batched-tokens {cfg.max_num_batched_tokens} --num-blocks {cfg.num_blocks} "
+            f"--repeats {cfg.profile_repeats} --num-prompts {cfg.serve_prompts} "
+            f"--request-rate {cfg.serve_rate:g} "
+            f"--input-len {cfg.serve_input} --output-len {cfg.serve_output} --seed {cfg.seed + 1}`",
+            "",
+            f"- {len(profiled.rows)} engine steps timed whole (schedule + execute + update); "
+            f"{held.num_trimmed} interference outliers trimmed from the fit.",
+            f"- fit: {cost.describe()}",
+            f"- held-out {held.num_steps} steps: median abs error {held.median_abs_pct_error:.1f}%, "
+            f"mean {held.mean_abs_pct_error:.1f}%, total time {held.total_time_error:+.1%}.",
+            "",
+            f"The same {len(reqs)} requests (Poisson {cfg.serve_rate:g} req/s) served by `jitney serve` and "
+            "measured by `bench serve`, and simulated with the fitted model (target: within 10%):",
+            "",
+            *rows,
+        ]
+    )
+
+
+_SECTIONS: dict[str, Callable[[SuiteConfig], str]] = {
+    "slots": slots_section,
+    "throughput": throughput_section,
+    "serve": serve_section,
+    "calibration": calibration_section,
+}
+
+
+def run_suite(cfg: SuiteConfig, out=print) -> list[str]:
+    parts = [machine_section()]
+    out(parts[0] + "\n")
+    for name in cfg.sections:
+        t0 = time.monotonic()
+        print(f"[suite] {name} ...", file=sys.stderr, flush=True)
+        try:
+            text = _SECTIONS[name](cfg)
+        except Exception as exc:  # one failing section must not lose the others' figures
+            text = f"## {name}\n\nfailed: {type(exc).__name__}: {exc}"
+        print(f"[suite] {name} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        parts.append(text)
+        out(text + "\n")
+    return parts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jitney.bench.suite", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", help="checkpoint directory, .gguf or known name (default: the bundled model)"
+    )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
+    parser.add_argument("--img-dir", default="docs/img")
+    parser.add_argument("--out", help="also write the markdown to this file")
+    args = parser.parse_args(argv)
+    sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        print(
+            f"suite: error: unknown sections {', '.join(unknown)}; known: {', '.join(SECTIONS)}",
+            file=sys.stderr,
+        )
+        return 2
+    cfg = SuiteConfig(model=args.model, dtype=args.dtype, sections=sections, img_dir=Path(args.img_dir))
+    parts = run_suite(cfg)
+    if args.out:
+        Path(args.out).write_text("\n\n".join(parts) + "\n")
+    return 0 if not any("\n\nfailed: " in p for p in parts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
