@@ -60,7 +60,7 @@ def post(server, path: str, body, key: str | None = API_KEY, **kwargs) -> httpx.
 
 def wait_until_idle(server, timeout_s: float = 20.0):
     """Every request ended and every KV block back in the free pool (as the engine thread reports)."""
-    engine = server.app.state.jitney.engine
+    engine = server.engine
     cache = server.llm.cache_config
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

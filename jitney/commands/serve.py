@@ -59,25 +59,38 @@ def run(args: argparse.Namespace) -> int:
     log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=args.log_level.upper(), format=log_format)
 
-    from jitney.server.launch import build_engine, make_app, serve
+    from jitney.config import CacheConfig, SchedulerConfig
+    from jitney.model.registry import resolve_model
+    from jitney.server.app import ServerOptions
+    from jitney.server.launch import build_engine, serve
 
-    # Configuration errors (ConfigError, a ValueError) print as one line through the CLI.
-    bundle = build_engine(
-        args.model,
-        model_name=args.served_model_name,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        policy=args.policy,
-        queue=args.queue,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        dtype=args.dtype,
-        device=args.device,
-    )
+    # Wrong paths, names and settings fail here, in one line, before the port opens.
+    resolve_model(args.model)
+    SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    policy=args.policy, queue=args.queue, max_model_len=args.max_model_len or 1)
+    CacheConfig(block_size=args.block_size, num_blocks=1 if args.num_blocks is None else args.num_blocks)
     extra = (str(args.model),) if args.model is not None and args.served_model_name is None else ()
-    app = make_app(bundle, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
-                   max_body_bytes=args.max_body_bytes, extra_model_names=extra)
-    serve(app, args.host, args.port, log_level=args.log_level)
+    options = ServerOptions(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                            drain_timeout_s=args.drain_timeout, extra_model_names=extra)
+
+    def load():
+        return build_engine(
+            args.model,
+            model_name=args.served_model_name,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            policy=args.policy,
+            queue=args.queue,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            enable_prefix_caching=not args.no_prefix_caching,
+            dtype=args.dtype,
+            device=args.device,
+        )
+
+    try:
+        serve(load, options, args.host, args.port, log_level=args.log_level)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise CliError(f"could not load the model: {exc}") from exc
     return 0

@@ -29,6 +29,7 @@ class ServerState:
     """Mutable server phase, shared by the gate, the lifespan and the drain handler."""
 
     phase: Phase = Phase.STARTING
+    load_error: BaseException | None = None  # set when the model failed to load
 
 
 # Paths the gate never refuses for phase or key: scrapers and probes must see a draining server.

@@ -14,7 +14,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -22,21 +22,10 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from jitney.async_engine import AsyncEngine
-from jitney.engine import Engine
-from jitney.server.app import ServerSettings, build_app
+from jitney.server.app import EngineBundle, ServerOptions, build_app
 from jitney.server.gate import Phase, ServerState
-from jitney.tokenizer import Tokenizer
 
 logger = logging.getLogger("jitney.server")
-
-
-@dataclass(frozen=True)
-class EngineBundle:
-    engine: Engine
-    tokenizer: Tokenizer
-    model_name: str
-    max_model_len: int
 
 
 def build_engine(
@@ -56,19 +45,20 @@ def build_engine(
     return EngineBundle(llm.engine, llm.tokenizer, model_name or llm.model_name, max_model_len)
 
 
-def make_app(bundle: EngineBundle, *, api_key: str | None = None, drain_timeout_s: float = 30.0,
-             max_body_bytes: int | None = None, extra_model_names: tuple[str, ...] = ()) -> FastAPI:
-    cache = bundle.engine.scheduler.cache_config
-    kwargs = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
-    settings = ServerSettings(
-        model_names=(bundle.model_name, *[n for n in extra_model_names if n != bundle.model_name]),
-        max_model_len=bundle.max_model_len,
-        kv_pool_tokens=cache.num_tokens,
-        api_key=api_key,
-        drain_timeout_s=drain_timeout_s,
-        **kwargs,
-    )
-    return build_app(AsyncEngine(bundle.engine), bundle.tokenizer, settings, ServerState())
+def make_app(
+    bundle_or_loader: EngineBundle | Callable[[], EngineBundle], options: ServerOptions | None = None,
+    on_load_error: Callable[[BaseException], None] | None = None, **option_fields: Any,
+) -> FastAPI:
+    """The app over a loaded model, or over a function that loads one (called at startup on a
+    worker thread). Keyword arguments are ``ServerOptions`` fields."""
+    if options is None:
+        options = ServerOptions(**option_fields)
+    elif option_fields:
+        raise TypeError("give either options or option fields, not both")
+    if isinstance(bundle_or_loader, EngineBundle):
+        bundle = bundle_or_loader
+        return build_app(lambda: bundle, options, on_load_error)
+    return build_app(bundle_or_loader, options, on_load_error)
 
 
 class DrainingServer(uvicorn.Server):
@@ -97,19 +87,34 @@ class DrainingServer(uvicorn.Server):
         """Refuse new requests, let running ones finish (bounded), then let uvicorn exit."""
         state: ServerState = self._app.state.server_state
         state.phase = Phase.DRAINING
-        engine: AsyncEngine = self._app.state.jitney.engine
-        timeout = self._app.state.drain_timeout_s
-        start = time.monotonic()
-        clean = await engine.drain(timeout)
-        logger.info("drained in %.1fs (%s)", time.monotonic() - start,
-                    "all requests finished" if clean else "remaining requests aborted")
+        services = self._app.state.services.services
+        if services is not None:
+            start = time.monotonic()
+            clean = await services.engine.drain(self._app.state.options.drain_timeout_s)
+            logger.info("drained in %.1fs (%s)", time.monotonic() - start,
+                        "all requests finished" if clean else "remaining requests aborted")
         self.should_exit = True
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+def serve(
+    load: Callable[[], EngineBundle], options: ServerOptions, host: str, port: int, log_level: str = "info"
+) -> None:
+    """Listen at once (503 while the model loads), serve, drain on SIGTERM. Raises the load error
+    if the model could not be loaded."""
+    server: DrainingServer | None = None
+
+    def stop_on_load_error(_: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = make_app(load, options, on_load_error=stop_on_load_error)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             access_log=False)
-    DrainingServer(config, app).run()
+    server = DrainingServer(config, app)
+    server.run()
+    error = app.state.server_state.load_error
+    if error is not None:
+        raise error
 
 
 class ServerThread:
@@ -127,16 +132,25 @@ class ServerThread:
         self._thread = threading.Thread(target=self._run, name="jitney-server", daemon=True)
 
     @property
+    def engine(self):
+        """The running AsyncEngine (after ``start``)."""
+        return self.app.state.services.get().engine
+
+    @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def _run(self) -> None:
         self.server.run(sockets=[self._sock])
 
-    def start(self, timeout_s: float = 60.0) -> ServerThread:
+    def start(self, timeout_s: float = 60.0, wait_ready: bool = True) -> ServerThread:
+        """Start serving; with ``wait_ready``, return once the model is loaded (503s are over)."""
         self._thread.start()
+        state: ServerState = self.app.state.server_state
         deadline = time.monotonic() + timeout_s
-        while not self.server.started:
+        while not self.server.started or (wait_ready and state.phase is Phase.STARTING):
+            if state.load_error is not None:
+                raise RuntimeError(f"the model did not load: {state.load_error}")
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the server did not start")
             time.sleep(0.02)
