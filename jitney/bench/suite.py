@@ -45,6 +45,7 @@ class SuiteConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     num_blocks: int = 2048
+    kv_cache_mib: int = 1024
     profile_repeats: int = 2
     seed: int = 0
 
@@ -120,6 +121,7 @@ def throughput_section(cfg: SuiteConfig) -> str:
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         hf_batch_size=cfg.max_num_seqs,
+        kv_cache_mib=cfg.kv_cache_mib,
         cache_dir=cfg.cache_dir,
     )
     model_dir, runs = run_all(tcfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
@@ -132,7 +134,8 @@ def throughput_section(cfg: SuiteConfig) -> str:
             f"`jitney bench throughput --num-prompts {cfg.tp_prompts} --input-len {cfg.tp_input} "
             f"--output-len {cfg.tp_output} --seed {cfg.seed} --dtype {cfg.dtype} "
             f"--max-num-seqs {cfg.max_num_seqs} "
-            f"--max-num-batched-tokens {cfg.max_num_batched_tokens} --hf-batch-size {cfg.max_num_seqs}` "
+            f"--max-num-batched-tokens {cfg.max_num_batched_tokens} --hf-batch-size {cfg.max_num_seqs} "
+            f"--kv-cache-mib {cfg.kv_cache_mib}` "
             f"on {model_dir.name} ({tokens}; outputs forced, greedy). Each engine runs in its own process; "
             "peak RSS includes the model and each engine's KV pool; one run each.",
             "",
