@@ -76,6 +76,7 @@ class ModelRunner:
         attention: str = "sdpa",
         loaded: LoadedModel | None = None,
         seed: int | None = None,
+        pack_weights: bool = True,
     ) -> None:
         self.model = model
         self.model_config = model.config
@@ -83,6 +84,8 @@ class ModelRunner:
         self.device = model.device
         self.loaded = loaded
         model.backend = make_backend(attention)
+        if pack_weights and not model.pack_weights():
+            log.info("weights stay dense (no oneDNN packing on %s)", model.device)
         self.sampler = Sampler(seed)
         self.kv_cache = PagedKVCache(
             model.config, cache_config.num_blocks, cache_config.block_size, model.dtype, model.device
@@ -102,6 +105,7 @@ class ModelRunner:
         enable_prefix_caching: bool = True,
         attention: str = "sdpa",
         seed: int | None = None,
+        pack_weights: bool = True,
     ) -> ModelRunner:
         """Load a checkpoint and size the KV pool: ``cache_config`` as given, else ``kv_cache_memory``
         bytes, else a fixed fraction of free memory (see jitney.model.paged_cache)."""
@@ -112,7 +116,14 @@ class ModelRunner:
             cache_config = CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching
             )
-        return cls(loaded.model, cache_config, attention=attention, loaded=loaded, seed=seed)
+        return cls(
+            loaded.model,
+            cache_config,
+            attention=attention,
+            loaded=loaded,
+            seed=seed,
+            pack_weights=pack_weights,
+        )
 
     def describe_kv_pool(self, max_model_len: int) -> str:
         cc = self.cache_config

@@ -13,6 +13,7 @@ from torch import nn
 
 from jitney.model.attention import AttentionBackend, AttentionMetadata, TorchSdpaAttention
 from jitney.model.config import ModelConfig
+from jitney.model.linear import Linear, pack_weight, packed_matmul
 from jitney.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -35,12 +36,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv_weight = _param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.qkv_bias = (
-            _param(cfg.q_size + 2 * cfg.kv_size, dtype=dtype, device=device) if cfg.qkv_bias else None
-        )
-        self.o_weight = _param(cfg.hidden_size, cfg.q_size, dtype=dtype, device=device)
-        self.o_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.o_bias else None
+        self.qkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, dtype, device)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -48,7 +45,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         cfg = self.cfg
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(x)
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(-1, num_qk_heads, cfg.head_dim)
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -58,23 +55,19 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return F.linear(out.reshape(-1, cfg.q_size), self.o_weight, self.o_bias)
+        return self.o_proj(out.reshape(-1, cfg.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
-        self.gate_up_bias = (
-            _param(2 * cfg.intermediate_size, dtype=dtype, device=device) if cfg.mlp_bias else None
-        )
-        self.down_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.mlp_bias else None
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, dtype, device)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -111,6 +104,7 @@ class DecoderModel(nn.Module):
         )
         self.rotary = RotaryEmbedding(cfg, dtype, device)
         self.backend: AttentionBackend = TorchSdpaAttention()
+        self._packed_lm_head: torch.Tensor | None = None
 
     @torch.inference_mode()
     def forward(
@@ -132,5 +126,20 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._packed_lm_head is not None:
+            return packed_matmul(hidden, self._packed_lm_head).float()
         weight = self.embed if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight).float()
+
+    def pack_weights(self) -> bool:
+        """Switch every projection (and the vocabulary head) to oneDNN's prepacked kernels.
+        Returns False, changing nothing, where packing is unavailable (non-CPU device, no oneDNN)."""
+        head = self.embed if self.lm_head is None else self.lm_head
+        packed_head = pack_weight(head)
+        if packed_head is None:
+            return False
+        self._packed_lm_head = packed_head
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        return True

@@ -208,7 +208,7 @@ def build_model(
         _copy(layer.input_norm.weight, get(p + "input_layernorm.weight", (h,)))
         _copy(layer.post_attn_norm.weight, get(p + "post_attention_layernorm.weight", (h,)))
         _copy(
-            attn.qkv_weight,
+            attn.qkv.weight,
             torch.cat(
                 [
                     get(p + "self_attn.q_proj.weight", (q, h)),
@@ -217,9 +217,9 @@ def build_model(
                 ]
             ),
         )
-        if attn.qkv_bias is not None:
+        if attn.qkv.bias is not None:
             _copy(
-                attn.qkv_bias,
+                attn.qkv.bias,
                 torch.cat(
                     [
                         get(p + "self_attn.q_proj.bias", (q,)),
@@ -228,14 +228,14 @@ def build_model(
                     ]
                 ),
             )
-        _copy(attn.o_weight, get(p + "self_attn.o_proj.weight", (h, q)))
-        if attn.o_bias is not None:
-            _copy(attn.o_bias, get(p + "self_attn.o_proj.bias", (h,)))
+        _copy(attn.o_proj.weight, get(p + "self_attn.o_proj.weight", (h, q)))
+        if attn.o_proj.bias is not None:
+            _copy(attn.o_proj.bias, get(p + "self_attn.o_proj.bias", (h,)))
         if cfg.qk_norm:
             _copy(attn.q_norm.weight, get(p + "self_attn.q_norm.weight", (hd,)))
             _copy(attn.k_norm.weight, get(p + "self_attn.k_norm.weight", (hd,)))
         _copy(
-            mlp.gate_up_weight,
+            mlp.gate_up.weight,
             torch.cat(
                 [
                     get(p + "mlp.gate_proj.weight", (inter, h)),
@@ -243,13 +243,13 @@ def build_model(
                 ]
             ),
         )
-        _copy(mlp.down_weight, get(p + "mlp.down_proj.weight", (h, inter)))
-        if mlp.gate_up_bias is not None:
+        _copy(mlp.down.weight, get(p + "mlp.down_proj.weight", (h, inter)))
+        if mlp.gate_up.bias is not None:
             _copy(
-                mlp.gate_up_bias,
+                mlp.gate_up.bias,
                 torch.cat([get(p + "mlp.gate_proj.bias", (inter,)), get(p + "mlp.up_proj.bias", (inter,))]),
             )
-            _copy(mlp.down_bias, get(p + "mlp.down_proj.bias", (h,)))
+            _copy(mlp.down.bias, get(p + "mlp.down_proj.bias", (h,)))
     return model.eval()
 
 
