@@ -74,6 +74,36 @@ class FreeBlockQueue:
         self._tail.prev = block
         self._len += 1
 
+    def popleft_n(self, n: int) -> list[KVBlock]:
+        """Unlink the first ``n`` blocks as one run (every prefill takes several at once)."""
+        if n > self._len:
+            raise IndexError(f"asked for {n} blocks, only {self._len} free")
+        taken = []
+        block = self._head.next
+        for _ in range(n):
+            assert block is not None
+            taken.append(block)
+            nxt = block.next
+            block.prev = block.next = None
+            block = nxt
+        assert block is not None
+        self._head.next = block
+        block.prev = self._head
+        self._len -= n
+        return taken
+
+    def extend(self, blocks: list[KVBlock]) -> None:
+        """Link ``blocks`` at the tail, in order, as one run."""
+        last = self._tail.prev
+        assert last is not None
+        for block in blocks:
+            last.next = block
+            block.prev = last
+            last = block
+        last.next = self._tail
+        self._tail.prev = last
+        self._len += len(blocks)
+
     def remove(self, block: KVBlock) -> None:
         prev, nxt = block.prev, block.next
         if prev is None or nxt is None:
@@ -114,15 +144,14 @@ class BlockPool:
         """Take ``n`` blocks from the head of the free queue, evicting their cached hashes."""
         if n > len(self.free_queue):
             raise ValueError(f"asked for {n} blocks, only {len(self.free_queue)} free")
-        taken = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
+        taken = self.free_queue.popleft_n(n)
+        cached = self.cached
+        for block in taken:
             if block.block_hash is not None:
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
+                if cached.get(block.block_hash) is block:
+                    del cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
-            taken.append(block)
         return taken
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -134,10 +163,13 @@ class BlockPool:
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
         """Drop a reference on each block, in the order given; unreferenced ones join the tail."""
+        freed = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                freed.append(block)
+        if freed:
+            self.free_queue.extend(freed)
 
     def register(self, block: KVBlock, block_hash: bytes) -> None:
         """Mark a filled block as reusable under ``block_hash`` (first writer wins on duplicates)."""

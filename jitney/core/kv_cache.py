@@ -77,6 +77,15 @@ class KVCacheManager:
         self.prefix_stats.queries += num_tokens
         self.prefix_stats.hits += num_hit_tokens
 
+    def fits_whole_prompt(self, request: Request, cached_prefix: list[KVBlock]) -> bool:
+        """Whether the free pool could hold all of the request's tokens right now. Admission asks
+        this even when only a first chunk is allocated: starting a prefill the pool cannot finish
+        only leads to preempting it (or a neighbour) a few steps later, and under pressure that
+        loop of admit, grow, preempt, recompute eats the whole machine."""
+        need = self.blocks_needed(request.num_tokens) - len(cached_prefix)
+        num_prefix_free = sum(1 for b in cached_prefix if b.ref_cnt == 0)
+        return need + num_prefix_free <= self.pool.num_free_blocks
+
     # -- allocation ----------------------------------------------------------------------------
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_prefix: list[KVBlock] | None = None

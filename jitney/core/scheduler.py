@@ -149,7 +149,7 @@ class Scheduler:
                 prefix = kv.find_cached_prefix(req)
                 num_hit = len(prefix) * kv.block_size
                 num_new = policy.admit_tokens(req.num_tokens - num_hit, budget, not chunks)
-                if num_new <= 0:
+                if num_new <= 0 or not kv.fits_whole_prompt(req, prefix):
                     break
                 new_block_ids = kv.allocate_slots(req, num_new, prefix)
                 if new_block_ids is None:
