@@ -71,16 +71,33 @@ def test_unknown_policy_and_bad_inputs_are_rejected(small_model):
 
 
 def test_run_all_reports_every_policy_at_every_batch():
-    cfg = SlotsConfig(num_requests=5, min_output_len=2, max_output_len=6, batch_sizes=(2, 4),
-                      vocab_size=32, d_model=8)
+    cfg = SlotsConfig(
+        num_requests=5, min_output_len=2, max_output_len=6, batch_sizes=(2, 4), vocab_size=32, d_model=8
+    )
     runs = run_all(cfg)
     assert [(r.batch_size, r.policy) for r in runs] == [
-        (2, "pad_to_max"), (2, "continuous"), (4, "pad_to_max"), (4, "continuous")]
+        (2, "pad_to_max"),
+        (2, "continuous"),
+        (4, "pad_to_max"),
+        (4, "continuous"),
+    ]
 
 
 def test_cli_prints_the_table_and_rejects_bad_arguments(capsys):
-    rc = main(["bench", "slots", "--num-requests", "4", "--min-output-len", "2", "--max-output-len", "5",
-               "--batch-sizes", "2"])
+    rc = main(
+        [
+            "bench",
+            "slots",
+            "--num-requests",
+            "4",
+            "--min-output-len",
+            "2",
+            "--max-output-len",
+            "5",
+            "--batch-sizes",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "| 2 | continuous |" in out and "speed-up" in out
     with pytest.raises(SystemExit) as exc:
