@@ -1,5 +1,5 @@
-"""Shutdown: a draining server answers 503 to new work while running requests finish, and
-`jitney serve` drains on SIGTERM, then exits cleanly."""
+"""Lifecycle: 503 while the model loads, 503 to new work while draining (running requests
+finish), and `jitney serve` draining on SIGTERM, then exiting cleanly."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from jitney.llm import LLM
 from jitney.server.launch import EngineBundle, ServerThread, make_app
@@ -63,6 +64,42 @@ def test_draining_server_refuses_new_work_and_finishes_running_requests(tiny_che
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_unavailable"
         reader.join(120)
         assert sink[0] == 200 and sink[-1] == "[DONE]" and _finish_reason(sink) == "length"
+
+
+def test_starting_server_answers_503_until_the_model_is_loaded(tiny_checkpoint):
+    release = threading.Event()
+
+    def slow_load() -> EngineBundle:
+        release.wait(60)
+        llm = LLM(tiny_checkpoint("llama"), **OPTIONS)
+        return EngineBundle(llm.engine, llm.tokenizer, "tiny", 512)
+
+    with ServerThread(make_app(slow_load)).start(wait_ready=False) as srv:
+        health = httpx.get(srv.base_url + "/health")
+        assert health.status_code == 503 and "starting" in health.json()["error"]["message"]
+        assert httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x"}).status_code == 503
+        assert httpx.get(srv.base_url + "/metrics").status_code == 503
+        release.set()
+        deadline = time.monotonic() + 60
+        while httpx.get(srv.base_url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the server never became ready"
+            time.sleep(0.05)
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_a_model_that_fails_to_load_is_reported(tmp_path):
+    def broken_load() -> EngineBundle:
+        return LLM(tmp_path / "no-such-model", **OPTIONS)  # raises: nothing there
+
+    srv = ServerThread(make_app(broken_load))
+    try:
+        with pytest.raises(RuntimeError, match="did not load"):
+            srv.start()
+        health = httpx.get(srv.base_url + "/health")
+        assert health.status_code == 503 and "failed to load" in health.json()["error"]["message"]
+    finally:
+        srv.stop()
 
 
 def _free_port() -> int:

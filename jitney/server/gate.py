@@ -65,6 +65,8 @@ class Gate:
                 return 413, self._too_large_message(), "request_too_large"
         if path in _OPEN_PATHS:
             return None
+        if self.state.load_error is not None:
+            return 503, f"the model failed to load: {self.state.load_error}", "server_unavailable"
         if self.state.phase is not Phase.READY:
             return 503, f"the server is {self.state.phase.value}; retry later", "server_unavailable"
         if self.api_key is not None and path.startswith("/v1"):

@@ -144,7 +144,10 @@ class ServerThread:
         self.server.run(sockets=[self._sock])
 
     def start(self, timeout_s: float = 60.0, wait_ready: bool = True) -> ServerThread:
-        """Start serving; with ``wait_ready``, return once the model is loaded (503s are over)."""
+        """Start serving; with ``wait_ready``, return once the model is loaded (503s are over).
+        Starting a started server does nothing."""
+        if self._thread.ident is not None:
+            return self
         self._thread.start()
         state: ServerState = self.app.state.server_state
         deadline = time.monotonic() + timeout_s
