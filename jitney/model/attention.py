@@ -40,6 +40,11 @@ class AttentionMetadata:
     prefills: list[SequenceSpan]  # sequences with a chunk of several tokens (or any chunk at start)
     num_padding_tokens: int  # trailing rows that attend only to themselves
 
+    def __post_init__(self) -> None:
+        # Computed once per step, used by every layer's cache write.
+        self.slot_blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
+        self.slot_offsets = self.slot_mapping % self.block_size
+
     @property
     def num_real_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
@@ -51,7 +56,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
@@ -66,15 +71,15 @@ def write_kv(
     n = meta.num_real_tokens
     if n == 0:
         return
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k[:n].to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v[:n].to(v_cache.dtype))
+    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k[:n].to(k_cache.dtype)
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v[:n].to(v_cache.dtype)
 
 
 def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """A sequence's first ``context_len`` cached rows, [context_len, kv_heads, head_dim]."""
-    blocks = cache.index_select(0, block_table)
-    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
+    """A sequence's first ``context_len`` cached rows, [kv_heads, context_len, head_dim]."""
+    blocks = cache.index_select(0, block_table)  # [blocks, kv_heads, block_size, head_dim]
+    kv_heads, head_dim = cache.shape[1], cache.shape[3]
+    return blocks.transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :context_len]
 
 
 def _padding_output(v: torch.Tensor, num_heads: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -105,16 +110,17 @@ class TorchReferenceAttention:
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        group = q.shape[1] // keys.shape[1]
-        keys = keys.float().repeat_interleave(group, dim=1)
-        values = values.float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
-        q_len, ctx = q.shape[0], keys.shape[0]
+        """q: [q_len, heads, d]; keys/values: [kv_heads, ctx, d]."""
+        group = q.shape[1] // keys.shape[0]
+        keys = keys.float().repeat_interleave(group, dim=0)
+        values = values.float().repeat_interleave(group, dim=0)
+        scores = torch.einsum("qhd,hkd->hqk", q.float(), keys) * scale
+        q_len, ctx = q.shape[0], keys.shape[1]
         # Query i sits at position ctx - q_len + i and sees keys up to and including itself.
         key_pos = torch.arange(ctx)[None, :]
         query_pos = torch.arange(ctx - q_len, ctx)[:, None]
         scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
-        return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
+        return torch.einsum("hqk,hkd->qhd", scores.softmax(dim=-1), values)
 
 
 class TorchSdpaAttention:
@@ -136,27 +142,32 @@ class TorchSdpaAttention:
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # Two batched matmuls with the query heads grouped under their KV head, so K/V are never
-        # repeated per query head. (CPU SDPA with a padding mask is far slower here, in bf16 most.)
+        # Block by block: the gathered blocks [seqs, blocks, kv_heads, block_size, d] feed the
+        # matmuls as they are (no permuted copy of K/V), query heads grouped under their KV head
+        # (no repeat), and the softmax runs across blocks by hand. (CPU SDPA with a padding mask
+        # measured far slower here, in bf16 most.)
         tables = meta.decode_block_tables
         num_seqs, max_blocks = tables.shape
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        _, kv_heads, block_size, head_dim = k_cache.shape
         group = q.shape[1] // kv_heads
-        length = max_blocks * k_cache.shape[1]
         flat = tables.reshape(-1)
-        keys = k_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).permute(0, 2, 3, 1)
-        values = v_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).transpose(1, 2)
-        query = q.view(num_seqs, kv_heads, group, head_dim).to(keys.dtype)
-        scores = torch.matmul(query, keys).float() * scale  # [seqs, kv_heads, group, length]
-        padding = torch.arange(length, device=q.device)[None, :] >= meta.decode_context_lens[:, None]
-        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).view(num_seqs, kv_heads * group, head_dim)
+        keys = k_cache.index_select(0, flat).view(num_seqs, max_blocks, kv_heads, block_size, head_dim)
+        values = v_cache.index_select(0, flat).view(num_seqs, max_blocks, kv_heads, block_size, head_dim)
+        query = q.view(num_seqs, 1, kv_heads, group, head_dim).to(keys.dtype)
+        scores = torch.matmul(query, keys.transpose(-1, -2)).float()  # [seqs, blocks, kv, group, bs]
+        key_pos = torch.arange(max_blocks * block_size, device=q.device).view(1, max_blocks, 1, 1, block_size)
+        padding = key_pos >= meta.decode_context_lens.view(-1, 1, 1, 1, 1)
+        scores = scores.mul_(scale).masked_fill_(padding, float("-inf"))
+        peak = scores.amax(dim=(1, 4), keepdim=True)
+        weights = (scores - peak).exp_()
+        total = weights.sum(dim=(1, 4))  # [seqs, kv, group]
+        out = torch.matmul(weights.to(values.dtype), values).float().sum(dim=1)  # [seqs, kv, group, d]
+        return (out / total[..., None]).view(num_seqs, kv_heads * group, head_dim)
 
     @staticmethod
     def _prefill(q, k_cache, v_cache, span: SequenceSpan, scale: float) -> torch.Tensor:
-        keys = gather_sequence(k_cache, span.block_table, span.context_len).transpose(0, 1)[None]
-        values = gather_sequence(v_cache, span.block_table, span.context_len).transpose(0, 1)[None]
+        keys = gather_sequence(k_cache, span.block_table, span.context_len)[None]
+        values = gather_sequence(v_cache, span.block_table, span.context_len)[None]
         query = q.transpose(0, 1)[None].to(keys.dtype)
         q_len, ctx = span.query_len, span.context_len
         if q_len == ctx:

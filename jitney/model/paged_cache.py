@@ -64,7 +64,10 @@ def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> flo
 
 
 class PagedKVCache:
-    """Per-layer (K, V) tensors of shape [num_blocks, block_size, kv_heads, head_dim].
+    """Per-layer (K, V) tensors of shape [num_blocks, kv_heads, block_size, head_dim].
+
+    Heads outside tokens, so a gathered block is a ready [tokens, head_dim] matrix per head for the
+    attention matmuls.
 
     Zero-filled, not empty: attention gathers whole blocks and masks the unused rows, and a masked
     row only contributes nothing if its values are finite.
@@ -78,7 +81,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
     ) -> None:
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layers = [
