@@ -64,7 +64,8 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class FinishedRequest:
-    """Handed to ``on_finished`` once per request that ends (any reason)."""
+    """Handed to ``on_finished`` once per request that ends: "stop" | "length" | "abort", or "error"
+    when a failed step took it down."""
 
     request_id: str
     finish_reason: str
@@ -266,6 +267,7 @@ class AsyncEngine:
     # -- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         last_state_log = time.monotonic()
+        tokens_since_log = 0
         try:
             while not self._stop:
                 self._wake.clear()
@@ -280,12 +282,13 @@ class AsyncEngine:
                     self._fail_held(exc)
                     continue
                 outputs, finished = self._collect(step_outputs)
+                tokens_since_log += sum(len(out.token_ids) for out in outputs)
                 self._publish_snapshot()
                 self._deliver_threadsafe(outputs, finished)
                 now = time.monotonic()
                 if now - last_state_log >= self.state_log_interval_s:
-                    last_state_log = now
-                    self._log_state()
+                    self._log_state(tokens_since_log / (now - last_state_log))
+                    last_state_log, tokens_since_log = now, 0
         except BaseException as exc:  # the thread itself broke: fail everyone, refuse new work
             logger.exception("engine thread stopped")
             self._dead = exc
@@ -358,15 +361,20 @@ class AsyncEngine:
     def _fail_held(self, exc: BaseException) -> None:
         error = EngineStepError(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
         failed = list(self._held)
-        self._held.clear()
+        ended: list[FinishedRequest] = []
         for rid in failed:
+            req = self._held.pop(rid)
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - the engine is already broken; the request still fails
                 logger.exception("abort of %s after a failed step also failed", rid)
+            ended.append(self._finished(req, "error"))
         self._publish_snapshot()
         if failed and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._deliver_errors, failed, error)
+            try:
+                self._loop.call_soon_threadsafe(self._deliver_errors, failed, error, ended)
+            except RuntimeError:
+                pass  # the event loop is closed: nobody is listening any more
 
     def _fail_inbox(self, exc: BaseException) -> None:
         with self._inbox_lock:
@@ -390,11 +398,13 @@ class AsyncEngine:
             num_free_blocks=stats.num_free_blocks,
         )
 
-    def _log_state(self) -> None:
+    def _log_state(self, generation_tokens_per_s: float) -> None:
         s = self._snapshot
         logger.info(
-            "engine: running=%d waiting=%d kv_cache_usage=%.1f%% preemptions=%d prefix_hit_rate=%.1f%%",
-            s.num_running, s.num_waiting, 100.0 * s.kv_cache_usage, s.num_preemptions,
+            "engine: running=%d waiting=%d generation_throughput=%.1f tok/s kv_cache_usage=%.1f%% "
+            "preemptions=%d prefix_hit_rate=%.1f%%",
+            s.num_running, s.num_waiting, generation_tokens_per_s, 100.0 * s.kv_cache_usage,
+            s.num_preemptions,
             100.0 * s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
         )
 
@@ -422,9 +432,12 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - a logging hook must not break delivery
                     logger.exception("on_finished hook failed")
 
-    def _deliver_errors(self, request_ids: list[str], error: BaseException) -> None:
+    def _deliver_errors(
+        self, request_ids: list[str], error: BaseException, ended: list[FinishedRequest]
+    ) -> None:
         for rid in request_ids:
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 stream._put(error)
+        self._deliver([], ended)
 

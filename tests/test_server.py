@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 
@@ -300,7 +301,8 @@ def _metric(server, name: str, **labels: str) -> float:
     return total
 
 
-def test_metrics_parse_and_counters_move(server, client):
+def test_metrics_parse_and_counters_move(server, client, caplog):
+    caplog.set_level(logging.INFO, logger="jitney.server")
     names = {"jitney:prompt_tokens_total", "jitney:generation_tokens_total", "jitney:num_requests_running",
              "jitney:num_requests_waiting", "jitney:kv_cache_usage_perc", "jitney:num_preemptions_total",
              "jitney:prefix_cache_queries_total", "jitney:prefix_cache_hits_total",
@@ -317,6 +319,8 @@ def test_metrics_parse_and_counters_move(server, client):
     assert after["jitney:generation_tokens_total"] - before["jitney:generation_tokens_total"] == 5
     assert after["jitney:prompt_tokens_total"] > before["jitney:prompt_tokens_total"]
     assert after["jitney:prefix_cache_queries_total"] > before["jitney:prefix_cache_queries_total"]
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request finished")]
+    assert len(logged) == 1 and "output_tokens=5 " in logged[0] and "finish_reason=length" in logged[0]
     moved = {n: after[n] - before[n] for n in names}
     assert moved["jitney:e2e_request_latency_seconds_count"] == 1
     assert moved["jitney:inter_token_latency_seconds_count"] == 4

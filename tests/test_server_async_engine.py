@@ -127,11 +127,14 @@ def test_cancelled_consumer_aborts_its_request(engine, llm):
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine, llm):
+    ended = []
+
     async def collect(ae, prompt):
         return [o async for o in ae.generate(prompt, LONG)]
 
     async def main():
         ae = await _started(engine)
+        ae.on_finished = ended.append
         try:
             tasks = [asyncio.create_task(collect(ae, [20 + i, 21, 22])) for i in range(3)]
             while engine.num_steps < 2:
@@ -139,6 +142,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine, l
             engine.fault.fail_next = True
             results = await asyncio.gather(*tasks, return_exceptions=True)
             assert all(isinstance(r, EngineStepError) and "device lost" in str(r) for r in results)
+            assert sorted(f.finish_reason for f in ended) == ["error"] * 3
             await _wait_idle(ae, llm.cache_config.num_blocks)
             outs = [o async for o in ae.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))]
             assert outs[-1].finish_reason == "length"
