@@ -44,6 +44,18 @@ class AttentionMetadata:
         # Computed once per step, used by every layer's cache write.
         self.slot_blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
         self.slot_offsets = self.slot_mapping % self.block_size
+        self._decode_bias: torch.Tensor | None = None
+
+    def decode_bias(self) -> torch.Tensor:
+        """[decodes, 1, 1, positions] float32: 0 where a decode row may attend, -inf on padding.
+        Built once per step and shared by every layer."""
+        if self._decode_bias is None:
+            length = self.decode_block_tables.shape[1] * self.block_size
+            positions = torch.arange(length, device=self.slot_mapping.device)
+            padding = positions[None, :] >= self.decode_context_lens[:, None]
+            bias = torch.zeros(padding.shape, dtype=torch.float32, device=padding.device)
+            self._decode_bias = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
+        return self._decode_bias
 
     @property
     def num_real_tokens(self) -> int:
@@ -154,15 +166,15 @@ class TorchSdpaAttention:
         keys = k_cache.index_select(0, flat).view(num_seqs, max_blocks, kv_heads, block_size, head_dim)
         values = v_cache.index_select(0, flat).view(num_seqs, max_blocks, kv_heads, block_size, head_dim)
         query = q.view(num_seqs, 1, kv_heads, group, head_dim).to(keys.dtype)
-        scores = torch.matmul(query, keys.transpose(-1, -2)).float()  # [seqs, blocks, kv, group, bs]
-        key_pos = torch.arange(max_blocks * block_size, device=q.device).view(1, max_blocks, 1, 1, block_size)
-        padding = key_pos >= meta.decode_context_lens.view(-1, 1, 1, 1, 1)
-        scores = scores.mul_(scale).masked_fill_(padding, float("-inf"))
-        peak = scores.amax(dim=(1, 4), keepdim=True)
-        weights = (scores - peak).exp_()
-        total = weights.sum(dim=(1, 4))  # [seqs, kv, group]
-        out = torch.matmul(weights.to(values.dtype), values).float().sum(dim=1)  # [seqs, kv, group, d]
-        return (out / total[..., None]).view(num_seqs, kv_heads * group, head_dim)
+        scores = torch.matmul(query, keys.transpose(-1, -2))  # [seqs, blocks, kv, group, bs]
+        # Softmax over all positions: bring the (small) scores to [seqs, kv, group, positions].
+        length = max_blocks * block_size
+        scores = scores.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, group, length).float()
+        scores.mul_(scale).add_(meta.decode_bias())
+        probs = scores.softmax(dim=-1).to(values.dtype)
+        probs = probs.view(num_seqs, kv_heads, group, max_blocks, block_size).permute(0, 3, 1, 2, 4)
+        out = torch.matmul(probs, values).float().sum(dim=1)  # [seqs, kv_heads, group, head_dim]
+        return out.to(q.dtype).view(num_seqs, kv_heads * group, head_dim)
 
     @staticmethod
     def _prefill(q, k_cache, v_cache, span: SequenceSpan, scale: float) -> torch.Tensor:
