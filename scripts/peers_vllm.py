@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -57,6 +58,28 @@ def load_peers_module():
 install_version_shim()
 
 
+def engine_settings(llm) -> dict[str, object]:
+    """The batching and cache settings vLLM chose, for the record (absent ones are left out)."""
+    settings: dict[str, object] = {}
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    if config is None:
+        return settings
+    for name, owner, attribute in (
+        ("max_num_seqs", config.scheduler_config, "max_num_seqs"),
+        ("max_num_batched_tokens", config.scheduler_config, "max_num_batched_tokens"),
+        ("enable_prefix_caching", config.cache_config, "enable_prefix_caching"),
+        ("num_kv_blocks", config.cache_config, "num_gpu_blocks"),
+        ("block_size", config.cache_config, "block_size"),
+    ):
+        value = getattr(owner, attribute, None)
+        if not isinstance(value, (int, float, bool, str)):
+            continue
+        settings[name] = value
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD"):
+        settings[name] = os.environ.get(name, "")
+    return settings
+
+
 def main() -> int:
     peers = load_peers_module()
     parser = argparse.ArgumentParser(description="vLLM side of the peers benchmark")
@@ -84,7 +107,9 @@ def main() -> int:
         return [len(out.outputs[0].token_ids) for out in outputs]
 
     vocab = peers.read_vocab_size(args.model)
-    result = peers.measure("vllm", vllm.__version__, "bfloat16", vocab, generate, startup, args.num_requests)
+    settings = engine_settings(llm)
+    num = args.num_requests
+    result = peers.measure("vllm", vllm.__version__, "bfloat16", vocab, generate, startup, num, settings)
     print(result.to_line(), flush=True)
     return 0
 

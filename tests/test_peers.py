@@ -209,3 +209,22 @@ def test_convert_is_skipped_when_already_done_and_refuses_a_missing_file(tmp_pat
     assert peers.convert_gguf(tmp_path / "absent.gguf", done) is False
     with pytest.raises(FileNotFoundError, match="absent.gguf"):
         peers.convert_gguf(tmp_path / "absent.gguf", tmp_path / "fresh")
+
+
+@pytest.mark.slow
+def test_compare_measures_jitney_end_to_end_on_a_tiny_checkpoint(tiny_checkpoint, tmp_path: Path) -> None:
+    model = tiny_checkpoint("llama")
+    out = tmp_path / "results.json"
+    args = ["compare", "--model", str(model), "--engines", "jitney", "--runs", "1", "--num-requests", "1"]
+    run = _cli(*args, "--out", str(out), "--jitney-python", sys.executable)
+    assert run.returncode == 0, run.stderr + run.stdout
+    document = json.loads(out.read_text())
+    (result,) = document["runs"]["jitney"]
+    expected = peers.workload_totals(peers.make_workload(512, num_requests=1))
+    assert (result["prompt_tokens"], result["output_tokens"]) == expected
+    assert result["notes"] == []  # every request produced exactly its max_tokens (ignore_eos)
+    assert result["output_tok_s"] > 0 and result["decode_tok_s"] > 0 and 0 < result["ttft_s"]
+    assert result["tree_peak_pss_mib"] > 0 and len(result["load_average"]) == 2
+    assert result["settings"]["max_num_batched_tokens"] > 0
+    assert document["medians"]["jitney"]["output_tok_s"] == result["output_tok_s"]
+    assert "| output tok/s |" in run.stdout

@@ -124,6 +124,10 @@ class EngineResult:
     # Filled in by the orchestrator, which samples the engine's whole process tree.
     tree_peak_rss_mib: float | None = None
     tree_peak_pss_mib: float | None = None
+    # 1-minute load average before and after the run: how busy the shared machine was.
+    load_average: list[float] = field(default_factory=list)
+    # The engine's own batching/cache settings as it reports them (both run at their defaults).
+    settings: dict[str, object] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def to_line(self) -> str:
@@ -147,6 +151,7 @@ def measure(
     generate: GenerateFn,
     startup_s: float,
     num_requests: int = NUM_REQUESTS,
+    settings: dict[str, object] | None = None,
 ) -> EngineResult:
     """Warm up, then batch-1 latency, then offline throughput, with the same calls for each engine.
 
@@ -197,6 +202,7 @@ def measure(
         decode_tok_s=(produced - 1) / decode_time,
         startup_s=startup_s,
         self_peak_rss_mib=self_peak_rss_mib(),
+        settings=dict(settings or {}),
         notes=notes,
     )
 
@@ -280,9 +286,22 @@ def run_jitney(model_dir: Path, num_requests: int) -> EngineResult:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return [len(out.token_ids) for out in outputs]
 
-    return measure(
-        "jitney", jitney.__version__, "bfloat16", read_vocab_size(model_dir), generate, startup, num_requests
-    )
+    settings = {
+        "max_num_seqs": llm.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": llm.scheduler_config.max_num_batched_tokens,
+        "policy": llm.scheduler_config.policy,
+        "kv_cache_tokens": llm.cache_config.num_blocks * llm.cache_config.block_size,
+        "enable_prefix_caching": llm.cache_config.enable_prefix_caching,
+        "torch_threads": _torch_threads(),
+    }
+    vocab = read_vocab_size(model_dir)
+    return measure("jitney", jitney.__version__, "bfloat16", vocab, generate, startup, num_requests, settings)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,6 +407,7 @@ def run_engine(command: EngineCommand, log_path: Path, timeout_s: float) -> Engi
     env = dict(os.environ)
     env.update(command.env)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command.argv, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
         with TreeMemorySampler(process.pid) as sampler:
@@ -404,6 +424,7 @@ def run_engine(command: EngineCommand, log_path: Path, timeout_s: float) -> Engi
     result = EngineResult.from_dict(json.loads(lines[-1][len(RESULT_PREFIX) :]))
     result.tree_peak_rss_mib = sampler.peak_rss_kib / 1024.0
     result.tree_peak_pss_mib = sampler.peak_pss_kib / 1024.0
+    result.load_average = [load_before, os.getloadavg()[0]]
     return result
 
 
@@ -490,7 +511,8 @@ def compare(args: argparse.Namespace) -> int:
             results[engine].append(result)
             print(
                 f"  {result.output_tok_s:.1f} output tok/s, TTFT {result.ttft_s:.3f} s, "
-                f"decode {result.decode_tok_s:.1f} tok/s, peak PSS {result.tree_peak_pss_mib:.0f} MiB",
+                f"decode {result.decode_tok_s:.1f} tok/s, peak PSS {result.tree_peak_pss_mib:.0f} MiB, "
+                f"load {result.load_average[0]:.1f} -> {result.load_average[1]:.1f}",
                 file=sys.stderr,
             )
     summary = summarise(results)
@@ -512,6 +534,11 @@ def compare(args: argparse.Namespace) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
     print(markdown_table(summary, run_counts))
+    for engine, runs in results.items():
+        if runs:
+            loads = [f"{a:.1f}->{b:.1f}" for a, b in (r.load_average for r in runs)]
+            print(f"\n{engine} settings: {json.dumps(runs[-1].settings, sort_keys=True)}")
+            print(f"{engine} 1-min load average per run (2 CPUs): {', '.join(loads)}")
     print(f"\nJSON written to {args.out}")
     if errors:
         print("errors:\n  " + "\n  ".join(errors))
