@@ -120,9 +120,9 @@ def test_summary_with_one_engine_has_no_ratio_column() -> None:
 
 def test_result_line_round_trips() -> None:
     result = _result("vllm", 123.0, 0.25)
-    line = result.to_line()
-    assert line.startswith(peers.RESULT_PREFIX)
-    assert peers.EngineResult.from_dict(json.loads(line[len(peers.RESULT_PREFIX) :])) == result
+    stdout = f'INFO starting\n{{"not": "a result"}}\n{result.to_line()}\nINFO shutting down\n'
+    assert peers.parse_result(stdout) == result
+    assert peers.parse_result("INFO nothing here\n") is None
 
 
 def test_tree_memory_sampler_sees_a_child_process_allocation() -> None:

@@ -36,7 +36,6 @@ PROMPT_MEDIAN, PROMPT_SIGMA, PROMPT_MIN, PROMPT_MAX = 256, 0.6, 16, 1024
 OUTPUT_MEDIAN, OUTPUT_SIGMA, OUTPUT_MIN, OUTPUT_MAX = 128, 0.6, 16, 512
 SINGLE_PROMPT_TOKENS, SINGLE_OUTPUT_TOKENS = 256, 128
 TTFT_PROBES = 3
-RESULT_PREFIX = "PEERS_RESULT "
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -65,7 +64,15 @@ def make_workload(
     Draw order (one ``random.Random(seed)``): for every request its prompt length, then its output
     length, then its prompt token ids (``randrange(vocab_size)`` each). Lengths are truncated to
     int after clipping. Because token ids come from the same stream, the lengths of later requests
-    depend on ``vocab_size``; the totals for a given vocabulary are fixed by the seed.
+    depend on ``vocab_size``; the totals for a given vocabulary are fixed by the seed. For
+    SmolLM2 (vocabulary 49,152) they are 62,226 prompt and 30,848 output tokens.
+
+    The 61,859 / 30,002 totals quoted with the earlier Qwen3-shaped measurements are not reproduced
+    by this order nor by any variant tried: output before prompt length, ids between the two
+    lengths, all lengths before any ids, ids from a separate stream, ``round``/``ceil`` instead of
+    ``int``, ``gauss`` instead of ``lognormvariate``, ids by ``random()``/``getrandbits``/``sample``,
+    an arrival-time draw per request, and ``randrange`` over every vocabulary size in 40,000-60,000
+    and 145,000-155,000 plus common sizes (32,000, 32,768, 50,257, 65,536, 128,256, ...).
     """
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -131,7 +138,7 @@ class EngineResult:
     notes: list[str] = field(default_factory=list)
 
     def to_line(self) -> str:
-        return RESULT_PREFIX + json.dumps(asdict(self), sort_keys=True)
+        return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict) -> EngineResult:
@@ -402,6 +409,17 @@ def jitney_command(python: str, model_dir: Path, num_requests: int) -> EngineCom
     return EngineCommand("jitney", argv + ["--num-requests", str(num_requests)], {})
 
 
+def parse_result(stdout: str) -> EngineResult | None:
+    """The engine's result: the last stdout line that is a JSON object (engines may log to stdout)."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return EngineResult.from_dict(json.loads(line))
+            except (ValueError, TypeError):
+                continue
+    return None
+
+
 def run_engine(command: EngineCommand, log_path: Path, timeout_s: float) -> EngineResult:
     """Start one measuring process, sample its memory, and parse its result line."""
     env = dict(os.environ)
@@ -418,10 +436,10 @@ def run_engine(command: EngineCommand, log_path: Path, timeout_s: float) -> Engi
                 process.communicate()
                 raise RuntimeError(f"{command.engine} ran past {timeout_s:.0f} s (log: {log_path})") from None
         log.write(stdout)
-    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if process.returncode != 0 or not lines:
+    parsed = parse_result(stdout)
+    if process.returncode != 0 or parsed is None:
         raise RuntimeError(f"{command.engine} failed with exit code {process.returncode} (log: {log_path})")
-    result = EngineResult.from_dict(json.loads(lines[-1][len(RESULT_PREFIX) :]))
+    result = parsed
     result.tree_peak_rss_mib = sampler.peak_rss_kib / 1024.0
     result.tree_peak_pss_mib = sampler.peak_pss_kib / 1024.0
     result.load_average = [load_before, os.getloadavg()[0]]
