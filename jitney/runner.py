@@ -73,7 +73,7 @@ class ModelRunner:
         model: DecoderModel,
         cache_config: CacheConfig,
         *,
-        attention: str = "sdpa",
+        attention: str = "auto",
         loaded: LoadedModel | None = None,
         seed: int | None = None,
         pack_weights: bool = True,
@@ -83,7 +83,7 @@ class ModelRunner:
         self.cache_config = cache_config
         self.device = model.device
         self.loaded = loaded
-        model.backend = make_backend(attention)
+        model.backend = make_backend(attention, model.device)
         if pack_weights and not model.pack_weights():
             log.info("weights stay dense (no oneDNN packing on %s)", model.device)
         self.sampler = Sampler(seed)
@@ -103,7 +103,7 @@ class ModelRunner:
         kv_cache_memory: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
-        attention: str = "sdpa",
+        attention: str = "auto",
         seed: int | None = None,
         pack_weights: bool = True,
     ) -> ModelRunner:

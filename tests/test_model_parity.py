@@ -72,9 +72,18 @@ def mixed_step_logits(
     return logits, {"a": a + [a_token], "b": b, "c": c}
 
 
-@pytest.mark.parametrize("attention", ["reference", "sdpa"])
+def require_backend(name: str) -> None:
+    if name == "cpu-kernel":
+        from jitney.model.cpu_attention import load_kernel
+
+        if load_kernel() is None:
+            pytest.skip("the CPU paged-attention kernel cannot be built here")
+
+
+@pytest.mark.parametrize("attention", ["reference", "sdpa", "cpu-kernel"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_mixed_step_logits_match_transformers(tiny_checkpoint, arch, attention):
+    require_backend(attention)
     path = tiny_checkpoint(arch)
     model = hf_model(path)
     logits, tokens = mixed_step_logits(path, attention)
@@ -87,8 +96,8 @@ def test_mixed_step_logits_match_transformers(tiny_checkpoint, arch, attention):
 
 def test_static_padding_rows_do_not_change_results(tiny_checkpoint):
     path = tiny_checkpoint("qwen2")
-    plain, _ = mixed_step_logits(path, "sdpa")
-    padded, _ = mixed_step_logits(path, "sdpa", padding=3)
+    plain, _ = mixed_step_logits(path, "auto")
+    padded, _ = mixed_step_logits(path, "auto", padding=3)
     for rid in plain:
         torch.testing.assert_close(padded[rid], plain[rid], atol=1e-5, rtol=0)
 
@@ -113,7 +122,7 @@ def test_static_padding_rows_do_not_change_results(tiny_checkpoint):
 def test_llama_variants_match_transformers(tiny_checkpoint, overrides):
     path = tiny_checkpoint("llama", **overrides)
     model = hf_model(path)
-    logits, tokens = mixed_step_logits(path, "sdpa")
+    logits, tokens = mixed_step_logits(path, "auto")
     for rid, ids in tokens.items():
         assert (logits[rid] - hf_last_logits(model, ids)).abs().max().item() <= 1e-4
 

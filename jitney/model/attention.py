@@ -196,11 +196,40 @@ class TorchSdpaAttention:
         return out[0].transpose(0, 1)
 
 
-BACKENDS = {"reference": TorchReferenceAttention, "sdpa": TorchSdpaAttention}
+class CpuKernelAttention(TorchSdpaAttention):
+    """SDPA for prefill chunks, and the compiled CPU kernel for decodes: it reads K/V straight from
+    their blocks instead of gathering them into a copy first (see jitney.model.cpu_attention)."""
+
+    def __init__(self) -> None:
+        from jitney.model.cpu_attention import load_kernel
+
+        kernel = load_kernel()
+        if kernel is None:
+            raise RuntimeError("the CPU paged-attention kernel could not be built on this machine")
+        self._kernel = kernel
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
 
 
-def make_backend(name: str) -> AttentionBackend:
+BACKENDS = {
+    "reference": TorchReferenceAttention,
+    "sdpa": TorchSdpaAttention,
+    "cpu-kernel": CpuKernelAttention,
+}
+
+
+def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+    """``auto`` picks the compiled kernel on CPU when it builds, else the torch SDPA path."""
+    if name == "auto":
+        if torch.device(device).type == "cpu":
+            try:
+                return CpuKernelAttention()
+            except RuntimeError:
+                pass
+        return TorchSdpaAttention()
     try:
         return BACKENDS[name]()
     except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}") from None
+        choices = ", ".join(("auto", *BACKENDS))
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {choices}") from None
