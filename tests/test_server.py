@@ -234,6 +234,13 @@ def test_bad_completion_requests_get_400_in_the_openai_shape(server, body, param
     assert error["param"] is not None and error["param"].startswith(param)
 
 
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b""])
+def test_malformed_bodies_get_400(server, raw):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    r = httpx.post(server.base_url + "/v1/completions", content=raw, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_request_that_can_never_fit_the_kv_pool_is_refused_at_once(checkpoint):
     llm = LLM(checkpoint, **{**ENGINE_OPTIONS, "num_blocks": 4, "max_model_len": 256})  # 64 tokens of KV
     bundle = EngineBundle(llm.engine, llm.tokenizer, MODEL, 256)
