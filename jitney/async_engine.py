@@ -177,6 +177,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
+        self._fail_inbox(EngineClosedError("the engine stopped"))
         for stream in list(self._streams.values()):
             stream._put(EngineClosedError("the engine stopped"))
         self._streams.clear()
@@ -226,6 +227,8 @@ class AsyncEngine:
         self._streams[rid] = stream
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._send(_Command("add", request=request, request_id=rid, done=done))
+        if not self.is_running:  # the thread died or stopped meanwhile: nobody will answer
+            self._fail_inbox(self._dead or EngineClosedError("the engine stopped"))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -379,9 +382,10 @@ class AsyncEngine:
     def _fail_inbox(self, exc: BaseException) -> None:
         with self._inbox_lock:
             commands, self._inbox = self._inbox, []
+        error = exc if isinstance(exc, EngineClosedError) else EngineClosedError(f"the engine stopped: {exc}")
         for cmd in commands:
             if cmd.done is not None and not cmd.done.done():
-                cmd.done.set_exception(EngineClosedError(f"the engine stopped: {exc}"))
+                cmd.done.set_exception(error)
 
     def _publish_snapshot(self) -> None:
         try:
