@@ -125,6 +125,24 @@ def test_logprobs_in_both_shapes(client):
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
 
 
+def test_raw_sse_framing_and_streamed_chat_logprobs(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": True,
+            "logprobs": True, "top_logprobs": 1, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    pieces = [c["choices"][0]["logprobs"] for c in chunks]
+    tokens = [t for lp in pieces if lp for t in lp["content"]]
+    assert len(tokens) == 4 and all(len(t["top_logprobs"]) == 1 for t in tokens)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in chunks[-1]
+
+
 def test_tokenize_detokenize_and_health(server):
     toks = post(server, "/v1/tokenize", {"prompt": "hello world"}).json()
     assert toks["count"] == len(toks["tokens"]) > 0
