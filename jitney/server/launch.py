@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from jitney.async_engine import AsyncEngine
 from jitney.server.app import EngineBundle, ServerOptions, build_app
 from jitney.server.gate import Phase, ServerState
 
@@ -132,7 +133,7 @@ class ServerThread:
         self._thread = threading.Thread(target=self._run, name="jitney-server", daemon=True)
 
     @property
-    def engine(self):
+    def engine(self) -> AsyncEngine:
         """The running AsyncEngine (after ``start``)."""
         return self.app.state.services.get().engine
 
