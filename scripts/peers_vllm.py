@@ -86,9 +86,11 @@ def main() -> int:
     parser.add_argument("--model", type=Path, required=True, help="converted bf16 safetensors directory")
     parser.add_argument("--num-requests", type=int, default=peers.NUM_REQUESTS)
     parser.add_argument("--max-model-len", type=int, default=None)
+    peers.add_single_shape_arguments(parser)
     args = parser.parse_args()
-    if args.num_requests < 1:
-        parser.error("--num-requests must be >= 1")
+    problem = peers.check_common_arguments(args)
+    if problem is not None:
+        parser.error(problem)
     if not (args.model / "config.json").is_file():
         parser.error(f"no model at {args.model}")
 
@@ -108,8 +110,10 @@ def main() -> int:
 
     vocab = peers.read_vocab_size(args.model)
     settings = engine_settings(llm)
-    num = args.num_requests
-    result = peers.measure("vllm", vllm.__version__, "bfloat16", vocab, generate, startup, num, settings)
+    shape = (args.single_prompt_tokens, args.single_output_tokens)
+    result = peers.measure(
+        "vllm", vllm.__version__, "bfloat16", vocab, generate, startup, args.num_requests, settings, shape
+    )
     print(result.to_line(), flush=True)
     return 0
 

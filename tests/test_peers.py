@@ -84,6 +84,8 @@ def _result(engine: str, output_tok_s: float, ttft_s: float, pss: float | None =
         ttft_s=ttft_s,
         single_total_s=1.0,
         decode_tok_s=50.0,
+        ttft_samples_s=[ttft_s],
+        decode_samples_tok_s=[50.0],
         startup_s=1.0,
         self_peak_rss_mib=10.0,
         tree_peak_rss_mib=pss,
@@ -154,7 +156,8 @@ def test_vllm_command_carries_the_tuning_environment() -> None:
     assert command.env["VLLM_CPU_KVCACHE_SPACE"] == os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")
     assert command.env["VLLM_HOST_IP"] == "127.0.0.1"
     assert command.env["LD_PRELOAD"] == "/lib/a.so:/lib/b.so"
-    assert command.argv == ["py", "script.py", "--model", "/m", "--num-requests", "7"]
+    assert command.argv[:6] == ["py", "script.py", "--model", "/m", "--num-requests", "7"]
+    assert command.argv[6:] == ["--single-prompt-tokens", "256", "--single-output-tokens", "128"]
 
 
 def test_vllm_version_shim_answers_for_the_cpu_distribution(tmp_path: Path) -> None:
@@ -196,6 +199,10 @@ def test_cli_workload_prints_the_totals() -> None:
 def test_cli_rejects_bad_input_in_one_line(tmp_path: Path) -> None:
     bad_vocab = _cli("workload", "--vocab-size", "0")
     assert bad_vocab.returncode == 2 and bad_vocab.stderr.strip() == "error: --vocab-size must be >= 1"
+    no_decode = _cli("workload", "--vocab-size", "5")
+    assert no_decode.returncode == 0
+    one_token = _cli("jitney", "--model", str(tmp_path), "--single-output-tokens", "1")
+    assert one_token.returncode == 2 and one_token.stderr.strip().startswith("error: --single-output-tokens")
     no_model = _cli("compare", "--model", str(tmp_path / "missing"), "--engines", "vllm")
     assert no_model.returncode == 2
     assert no_model.stderr.strip().startswith("error: no converted model at")
@@ -216,6 +223,7 @@ def test_compare_measures_jitney_end_to_end_on_a_tiny_checkpoint(tiny_checkpoint
     model = tiny_checkpoint("llama")
     out = tmp_path / "results.json"
     args = ["compare", "--model", str(model), "--engines", "jitney", "--runs", "1", "--num-requests", "1"]
+    args += ["--single-prompt-tokens", "48", "--single-output-tokens", "12"]
     run = _cli(*args, "--out", str(out), "--jitney-python", sys.executable)
     assert run.returncode == 0, run.stderr + run.stdout
     document = json.loads(out.read_text())
@@ -224,6 +232,9 @@ def test_compare_measures_jitney_end_to_end_on_a_tiny_checkpoint(tiny_checkpoint
     assert (result["prompt_tokens"], result["output_tokens"]) == expected
     assert result["notes"] == []  # every request produced exactly its max_tokens (ignore_eos)
     assert result["output_tok_s"] > 0 and result["decode_tok_s"] > 0 and 0 < result["ttft_s"]
+    assert len(result["ttft_samples_s"]) == peers.TTFT_PROBES
+    assert len(result["decode_samples_tok_s"]) == peers.SINGLE_REPEATS
+    assert document["workload"]["single_request"] == {"prompt_tokens": 48, "output_tokens": 12}
     assert result["tree_peak_pss_mib"] > 0 and len(result["load_average"]) == 2
     assert result["settings"]["max_num_batched_tokens"] > 0
     assert document["medians"]["jitney"]["output_tok_s"] == result["output_tok_s"]

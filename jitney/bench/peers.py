@@ -35,7 +35,8 @@ NUM_REQUESTS = 200
 PROMPT_MEDIAN, PROMPT_SIGMA, PROMPT_MIN, PROMPT_MAX = 256, 0.6, 16, 1024
 OUTPUT_MEDIAN, OUTPUT_SIGMA, OUTPUT_MIN, OUTPUT_MAX = 128, 0.6, 16, 512
 SINGLE_PROMPT_TOKENS, SINGLE_OUTPUT_TOKENS = 256, 128
-TTFT_PROBES = 3
+TTFT_PROBES = 5
+SINGLE_REPEATS = 3
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -126,6 +127,8 @@ class EngineResult:
     ttft_s: float
     single_total_s: float
     decode_tok_s: float
+    ttft_samples_s: list[float]
+    decode_samples_tok_s: list[float]
     startup_s: float
     self_peak_rss_mib: float
     # Filled in by the orchestrator, which samples the engine's whole process tree.
@@ -159,11 +162,14 @@ def measure(
     startup_s: float,
     num_requests: int = NUM_REQUESTS,
     settings: dict[str, object] | None = None,
+    single_shape: tuple[int, int] = (SINGLE_PROMPT_TOKENS, SINGLE_OUTPUT_TOKENS),
 ) -> EngineResult:
     """Warm up, then batch-1 latency, then offline throughput, with the same calls for each engine.
 
-    TTFT is the median wall time of ``max_tokens=1`` requests; decode tok/s is the remaining
-    ``max_tokens - 1`` tokens of one full single request over its time after that TTFT.
+    TTFT is the median wall time of ``max_tokens=1`` requests; decode tok/s is the median, over a
+    few full single requests, of the ``max_tokens - 1`` tokens after the first over the request's
+    time less that TTFT. Medians because the machine is shared: one short window is easily hit by
+    someone else's burst.
     """
     notes: list[str] = []
     # Warm-up: compiles/allocates whatever is lazy, on shapes of both a prefill and a decode.
@@ -171,19 +177,21 @@ def measure(
 
     ttfts = []
     for probe in range(TTFT_PROBES):
-        request = make_single_request(vocab_size, variant=1 + probe, max_tokens=1)
+        request = make_single_request(vocab_size, 1 + probe, single_shape[0], max_tokens=1)
         start = time.perf_counter()
         generate([request])
         ttfts.append(time.perf_counter() - start)
     ttft = statistics.median(ttfts)
 
-    single = make_single_request(vocab_size, variant=0)
-    start = time.perf_counter()
-    produced = generate([single])[0]
-    single_total = time.perf_counter() - start
-    if produced != single.max_tokens:
-        notes.append(f"single request produced {produced} tokens, expected {single.max_tokens}")
-    decode_time = max(single_total - ttft, 1e-9)
+    totals, rates = [], []
+    for repeat in range(SINGLE_REPEATS):
+        single = make_single_request(vocab_size, 1 + TTFT_PROBES + repeat, *single_shape)
+        start = time.perf_counter()
+        produced = generate([single])[0]
+        totals.append(time.perf_counter() - start)
+        if produced != single.max_tokens:
+            notes.append(f"single request produced {produced} tokens, expected {single.max_tokens}")
+        rates.append((produced - 1) / max(totals[-1] - ttft, 1e-9))
 
     requests = make_workload(vocab_size, num_requests)
     prompt_tokens, expected_output = workload_totals(requests)
@@ -205,8 +213,10 @@ def measure(
         output_tok_s=output_tokens / wall,
         total_tok_s=(prompt_tokens + output_tokens) / wall,
         ttft_s=ttft,
-        single_total_s=single_total,
-        decode_tok_s=(produced - 1) / decode_time,
+        single_total_s=statistics.median(totals),
+        decode_tok_s=statistics.median(rates),
+        ttft_samples_s=ttfts,
+        decode_samples_tok_s=rates,
         startup_s=startup_s,
         self_peak_rss_mib=self_peak_rss_mib(),
         settings=dict(settings or {}),
@@ -278,7 +288,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_jitney(model_dir: Path, num_requests: int) -> EngineResult:
+def run_jitney(model_dir: Path, num_requests: int, single_shape: tuple[int, int]) -> EngineResult:
     """Measure jitney's offline API on the workload, in this process."""
     start = time.perf_counter()
     import jitney
@@ -302,7 +312,17 @@ def run_jitney(model_dir: Path, num_requests: int) -> EngineResult:
         "torch_threads": _torch_threads(),
     }
     vocab = read_vocab_size(model_dir)
-    return measure("jitney", jitney.__version__, "bfloat16", vocab, generate, startup, num_requests, settings)
+    return measure(
+        "jitney",
+        jitney.__version__,
+        "bfloat16",
+        vocab,
+        generate,
+        startup,
+        num_requests,
+        settings,
+        single_shape,
+    )
 
 
 def _torch_threads() -> int:
@@ -392,7 +412,18 @@ class EngineCommand:
     env: dict[str, str]
 
 
-def vllm_command(python: str, script: str, model_dir: Path, num_requests: int, preload: str) -> EngineCommand:
+def _shape_args(single_shape: tuple[int, int]) -> list[str]:
+    return ["--single-prompt-tokens", str(single_shape[0]), "--single-output-tokens", str(single_shape[1])]
+
+
+def vllm_command(
+    python: str,
+    script: str,
+    model_dir: Path,
+    num_requests: int,
+    preload: str,
+    single_shape: tuple[int, int] = (SINGLE_PROMPT_TOKENS, SINGLE_OUTPUT_TOKENS),
+) -> EngineCommand:
     env = {
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
@@ -401,12 +432,18 @@ def vllm_command(python: str, script: str, model_dir: Path, num_requests: int, p
     if preload:
         env["LD_PRELOAD"] = preload
     argv = [python, script, "--model", str(model_dir), "--num-requests", str(num_requests)]
-    return EngineCommand("vllm", argv, env)
+    return EngineCommand("vllm", argv + _shape_args(single_shape), env)
 
 
-def jitney_command(python: str, model_dir: Path, num_requests: int) -> EngineCommand:
+def jitney_command(
+    python: str,
+    model_dir: Path,
+    num_requests: int,
+    single_shape: tuple[int, int] = (SINGLE_PROMPT_TOKENS, SINGLE_OUTPUT_TOKENS),
+) -> EngineCommand:
     argv = [python, "-m", "jitney.bench.peers", "jitney", "--model", str(model_dir)]
-    return EngineCommand("jitney", argv + ["--num-requests", str(num_requests)], {})
+    argv += ["--num-requests", str(num_requests), *_shape_args(single_shape)]
+    return EngineCommand("jitney", argv, {})
 
 
 def parse_result(stdout: str) -> EngineResult | None:
@@ -501,6 +538,7 @@ def markdown_table(summary: dict, runs: dict[str, int]) -> str:
 
 def compare(args: argparse.Namespace) -> int:
     model_dir = Path(args.model)
+    shape = (args.single_prompt_tokens, args.single_output_tokens)
     vocab = read_vocab_size(model_dir)
     prompt_tokens, output_tokens = workload_totals(make_workload(vocab, args.num_requests))
     print(
@@ -510,9 +548,9 @@ def compare(args: argparse.Namespace) -> int:
     )
     commands = {
         "vllm": vllm_command(
-            args.vllm_python, args.vllm_script, model_dir, args.num_requests, args.vllm_preload
+            args.vllm_python, args.vllm_script, model_dir, args.num_requests, args.vllm_preload, shape
         ),
-        "jitney": jitney_command(args.jitney_python, model_dir, args.num_requests),
+        "jitney": jitney_command(args.jitney_python, model_dir, args.num_requests, shape),
     }
     logs = Path(args.out).parent / "peers_logs"
     results: dict[str, list[EngineResult]] = {engine: [] for engine in args.engines}
@@ -542,6 +580,7 @@ def compare(args: argparse.Namespace) -> int:
             "output_tokens": output_tokens,
             "vocab_size": vocab,
             "seed": WORKLOAD_SEED,
+            "single_request": {"prompt_tokens": shape[0], "output_tokens": shape[1]},
             "model": str(model_dir),
         },
         "machine": {"cpus": os.cpu_count(), "load_average_at_end": list(os.getloadavg())},
@@ -568,6 +607,23 @@ def compare(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def add_single_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The batch-1 request's shape; smaller only for smoke runs (the published one is 256 + 128)."""
+    parser.add_argument("--single-prompt-tokens", type=int, default=SINGLE_PROMPT_TOKENS)
+    parser.add_argument("--single-output-tokens", type=int, default=SINGLE_OUTPUT_TOKENS)
+
+
+def check_common_arguments(args: argparse.Namespace) -> str | None:
+    """The one-line complaint about a bad shared argument, or None."""
+    if getattr(args, "num_requests", 1) < 1:
+        return "--num-requests must be >= 1"
+    if getattr(args, "single_prompt_tokens", 1) < 1:
+        return "--single-prompt-tokens must be >= 1"
+    if getattr(args, "single_output_tokens", 2) < 2:
+        return "--single-output-tokens must be >= 2 (decode speed needs a token after the first)"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jitney.bench.peers", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -583,12 +639,14 @@ def build_parser() -> argparse.ArgumentParser:
     jitney_cmd = sub.add_parser("jitney", help="measure jitney in this process")
     jitney_cmd.add_argument("--model", type=Path, required=True)
     jitney_cmd.add_argument("--num-requests", type=int, default=NUM_REQUESTS)
+    add_single_shape_arguments(jitney_cmd)
 
     cmp = sub.add_parser("compare", help="alternate the engines and summarise")
     cmp.add_argument("--model", type=Path, required=True)
     cmp.add_argument("--runs", type=int, default=3)
     cmp.add_argument("--engines", nargs="+", choices=["vllm", "jitney"], default=["vllm", "jitney"])
     cmp.add_argument("--num-requests", type=int, default=NUM_REQUESTS)
+    add_single_shape_arguments(cmp)
     cmp.add_argument("--out", type=Path, default=Path(".cache/peers_results.json"))
     cmp.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine process")
     cmp.add_argument("--vllm-python", default=".venv-peers/bin/python")
@@ -600,8 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "num_requests", 1) < 1:
-        print("error: --num-requests must be >= 1", file=sys.stderr)
+    problem = check_common_arguments(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     if args.command == "convert":
         gguf = args.gguf or default_gguf_path()
@@ -616,7 +675,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"prompt_tokens": prompt, "output_tokens": output}))
         return 0
     if args.command == "jitney":
-        print(run_jitney(args.model, args.num_requests).to_line(), flush=True)
+        shape = (args.single_prompt_tokens, args.single_output_tokens)
+        print(run_jitney(args.model, args.num_requests, shape).to_line(), flush=True)
         return 0
     if args.runs < 1:
         print("error: --runs must be >= 1", file=sys.stderr)
