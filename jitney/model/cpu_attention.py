@@ -85,12 +85,19 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
         }
       }
       for (int64_t g = 0; g < group; ++g) {
+        // Finite values only (built with -ffast-math): the peak starts at a real score.
         float* sg = scores.data() + g * len;
-        float peak = -INFINITY;
+        float peak = sg[0];
+#pragma omp simd reduction(max : peak)
         for (int64_t p = 0; p < len; ++p) peak = sg[p] > peak ? sg[p] : peak;
         float total = 0.f;
-        for (int64_t p = 0; p < len; ++p) { sg[p] = std::exp(sg[p] - peak); total += sg[p]; }
+#pragma omp simd reduction(+ : total)
+        for (int64_t p = 0; p < len; ++p) {
+          sg[p] = expf(sg[p] - peak);
+          total += sg[p];
+        }
         const float inv = 1.f / total;
+#pragma omp simd
         for (int64_t p = 0; p < len; ++p) sg[p] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -159,10 +166,10 @@ def load_kernel():
 
             log.info("building the CPU paged-attention kernel (once per machine, about a minute)")
             module = load_inline(
-                name="jitney_cpu_attention_v2",
+                name="jitney_cpu_attention_v3",
                 cpp_sources=_SOURCE,
                 functions=["paged_decode"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
                 verbose=False,
             )
             _kernel = module.paged_decode
