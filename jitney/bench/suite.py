@@ -33,20 +33,20 @@ class SuiteConfig:
     img_dir: Path = Path("docs/img")
     cache_dir: Path = Path(".cache/jitney-bench")
     slots_repeats: int = 3
-    tp_prompts: int = 32
-    tp_input: str = "lognormal:256,0.6,16,1024"
-    tp_output: str = "lognormal:64,0.6,16,256"
-    serve_prompts: int = 40
-    serve_rate: float = 1.0
-    serve_input: str = "lognormal:256,0.6,16,1024"
-    serve_output: str = "lognormal:64,0.6,16,256"
-    slo_ttft_ms: float = 2000.0
-    slo_tpot_ms: float = 200.0
+    tp_prompts: int = 16
+    tp_input: str = "lognormal:128,0.6,16,512"
+    tp_output: str = "lognormal:48,0.6,16,128"
+    serve_prompts: int = 24
+    serve_rate: float = 0.5
+    serve_input: str = "lognormal:128,0.6,16,512"
+    serve_output: str = "lognormal:32,0.6,8,128"
+    slo_ttft_ms: float = 3000.0
+    slo_tpot_ms: float = 250.0
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     num_blocks: int = 2048
     kv_cache_mib: int = 1024
-    profile_repeats: int = 2
+    profile_repeats: int = 1
     seed: int = 0
 
 

@@ -86,6 +86,18 @@ def _hf_generate(spec: dict[str, Any]) -> Runner:
     return run
 
 
+def _hf_num_blocks(model, kv_cache_memory: int | None, page_size: int = 256) -> int | None:
+    """transformers' KV blocks (``page_size`` tokens over every layer) in the same byte budget as
+    jitney's pool; left to transformers (which sizes it from free memory) when no budget is set."""
+    if not kv_cache_memory:
+        return None
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+    return max(1, kv_cache_memory // (per_token * page_size))
+
+
 def _hf_continuous(spec: dict[str, Any]) -> Runner:
     """transformers' own continuous batching, with each request's own output length."""
     import torch
@@ -99,7 +111,9 @@ def _hf_continuous(spec: dict[str, Any]) -> Runner:
     def run(prompts: list[list[int]], outs: list[int]) -> int:
         gen = GenerationConfig(do_sample=False, max_new_tokens=max(outs))
         cb = ContinuousBatchingConfig(
-            max_requests_per_batch=spec["max_num_seqs"], max_batch_tokens=spec["max_num_batched_tokens"]
+            max_requests_per_batch=spec["max_num_seqs"],
+            max_batch_tokens=spec["max_num_batched_tokens"],
+            num_blocks=_hf_num_blocks(model, spec.get("kv_cache_memory")),
         )
         wanted: dict[str, int] = {}
         produced = 0
