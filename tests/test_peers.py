@@ -137,10 +137,23 @@ def test_tree_memory_sampler_sees_a_child_process_allocation() -> None:
         """
     )
     process = subprocess.Popen([sys.executable, "-c", child])
-    with peers.TreeMemorySampler(process.pid, interval_s=0.1) as sampler:
+    with peers.ProcessTreeSampler(process.pid, interval_s=0.1) as sampler:
         process.wait(timeout=60)
     assert sampler.peak_rss_kib >= 64 * 1024
     assert 0 < sampler.peak_pss_kib <= sampler.peak_rss_kib
+    assert sampler.others_cpu_share is not None and 0.0 <= sampler.others_cpu_share <= 1.0
+
+
+def test_tree_sampler_counts_cpu_outside_the_tree_as_others() -> None:
+    # A process outside the watched tree spins for the whole window: at least its share of the
+    # two CPUs (more if the machine is busy anyway) must show up as the others' share.
+    spin = "import time\nend = time.monotonic() + 3.0\nwhile time.monotonic() < end: pass"
+    burner = subprocess.Popen([sys.executable, "-c", spin])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2.5)"])
+    with peers.ProcessTreeSampler(sleeper.pid, interval_s=0.2) as sampler:
+        sleeper.wait(timeout=60)
+    burner.wait(timeout=60)
+    assert sampler.others_cpu_share is not None and sampler.others_cpu_share >= 0.15
 
 
 def test_run_engine_reports_a_failing_engine_with_its_log(tmp_path: Path) -> None:
@@ -236,6 +249,7 @@ def test_compare_measures_jitney_end_to_end_on_a_tiny_checkpoint(tiny_checkpoint
     assert len(result["decode_samples_tok_s"]) == peers.SINGLE_REPEATS
     assert document["workload"]["single_request"] == {"prompt_tokens": 48, "output_tokens": 12}
     assert result["tree_peak_pss_mib"] > 0 and len(result["load_average"]) == 2
+    assert 0.0 <= result["others_cpu_share"] <= 1.0
     assert result["settings"]["max_num_batched_tokens"] > 0
     assert document["medians"]["jitney"]["output_tok_s"] == result["output_tok_s"]
     assert "| output tok/s |" in run.stdout

@@ -37,6 +37,7 @@ OUTPUT_MEDIAN, OUTPUT_SIGMA, OUTPUT_MIN, OUTPUT_MAX = 128, 0.6, 16, 512
 SINGLE_PROMPT_TOKENS, SINGLE_OUTPUT_TOKENS = 256, 128
 TTFT_PROBES = 5
 SINGLE_REPEATS = 3
+BUSY_MACHINE_SHARE = 0.1
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -136,6 +137,8 @@ class EngineResult:
     tree_peak_pss_mib: float | None = None
     # 1-minute load average before and after the run: how busy the shared machine was.
     load_average: list[float] = field(default_factory=list)
+    # Share of the machine's CPU time that other processes used during the run (0..1).
+    others_cpu_share: float | None = None
     # The engine's own batching/cache settings as it reports them (both run at their defaults).
     settings: dict[str, object] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -336,8 +339,9 @@ def _torch_threads() -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
+def _process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, CPU ticks used so far: user + system) for every process."""
+    table: dict[int, tuple[int, int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -346,22 +350,31 @@ def _children_map() -> dict[int, list[int]]:
                 stat = handle.read()
         except OSError:
             continue
-        # The command name may hold spaces; the parent pid is the second field after ')'.
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry))
-    return children
+        # The command name may hold spaces; fields after ')' start at field 3 (state).
+        fields = stat.rsplit(")", 1)[1].split()
+        table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    return table
 
 
-def _tree_memory_kib(root: int) -> tuple[int, int]:
-    """(sum of RSS, sum of PSS) in KiB over a process and all its descendants.
+def _descendants(root: int, table: dict[int, tuple[int, int]]) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    tree, pending = [], [root]
+    while pending:
+        pid = pending.pop()
+        tree.append(pid)
+        pending.extend(children.get(pid, []))
+    return tree
+
+
+def _memory_kib(pids: Sequence[int]) -> tuple[int, int]:
+    """(sum of RSS, sum of PSS) in KiB over the given processes.
 
     PSS splits shared pages (the torch libraries every worker maps) between processes, so its sum
     is the tree's real footprint; the RSS sum counts them once per process."""
-    children = _children_map()
-    pending, rss, pss = [root], 0, 0
-    while pending:
-        pid = pending.pop()
-        pending.extend(children.get(pid, []))
+    rss = pss = 0
+    for pid in pids:
         try:
             with open(f"/proc/{pid}/smaps_rollup") as handle:
                 for line in handle:
@@ -374,33 +387,62 @@ def _tree_memory_kib(root: int) -> tuple[int, int]:
     return rss, pss
 
 
-class TreeMemorySampler:
-    """Samples a process tree's memory in a background thread and keeps the peaks.
+def _busy_ticks() -> int:
+    """CPU ticks spent busy by the whole machine since boot (all CPUs, idle and iowait excluded)."""
+    with open("/proc/stat") as handle:
+        values = [int(v) for v in handle.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice, already in user/nice]
+    return sum(values[:3]) + sum(values[5:8])
 
-    Reading PSS makes the kernel walk the page tables of a multi-GiB process, so the default
-    interval is long enough to keep the sampler's own CPU use out of the measurement; an engine's
-    peak (weights plus a preallocated KV cache) is held for far longer than that."""
+
+class ProcessTreeSampler:
+    """Samples an engine's process tree in a background thread: peak memory, and how much CPU the
+    rest of the machine used meanwhile.
+
+    The second figure is what makes numbers from a shared machine readable: with OpenMP threads on
+    every core, other processes' bursts stall whole steps at the threads' barriers, so an engine
+    can slow down by far more than the CPU share others take. Reading PSS makes the kernel walk the
+    page tables of a multi-GiB process, so the default interval is long enough to keep the
+    sampler's own CPU use out of the measurement; a process's last seconds of CPU time before it
+    exits are missed, which slightly overstates the others' share."""
 
     def __init__(self, pid: int, interval_s: float = 2.0) -> None:
         self.pid, self.interval_s = pid, interval_s
         self.peak_rss_kib = self.peak_pss_kib = 0
+        self.others_cpu_share: float | None = None
+        self._tree_ticks: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._start_busy = self._start_time = 0.0
+
+    def _sample(self) -> None:
+        table = _process_table()
+        tree = _descendants(self.pid, table)
+        for pid in tree:
+            if pid in table:
+                self._tree_ticks[pid] = table[pid][1]
+        rss, pss = _memory_kib(tree)
+        self.peak_rss_kib = max(self.peak_rss_kib, rss)
+        self.peak_pss_kib = max(self.peak_pss_kib, pss)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            rss, pss = _tree_memory_kib(self.pid)
-            self.peak_rss_kib = max(self.peak_rss_kib, rss)
-            self.peak_pss_kib = max(self.peak_pss_kib, pss)
+            self._sample()
             self._stop.wait(self.interval_s)
 
-    def __enter__(self) -> TreeMemorySampler:
+    def __enter__(self) -> ProcessTreeSampler:
+        self._start_busy, self._start_time = _busy_ticks(), time.monotonic()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        ticks_per_s = os.sysconf("SC_CLK_TCK")
+        elapsed_ticks = (time.monotonic() - self._start_time) * ticks_per_s * (os.cpu_count() or 1)
+        others = _busy_ticks() - self._start_busy - sum(self._tree_ticks.values())
+        if elapsed_ticks > 0:
+            self.others_cpu_share = min(1.0, max(0.0, others / elapsed_ticks))
 
 
 @dataclass(frozen=True)
@@ -465,7 +507,7 @@ def run_engine(command: EngineCommand, log_path: Path, timeout_s: float) -> Engi
     load_before = os.getloadavg()[0]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command.argv, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
-        with TreeMemorySampler(process.pid) as sampler:
+        with ProcessTreeSampler(process.pid) as sampler:
             try:
                 stdout, _ = process.communicate(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -480,6 +522,7 @@ def run_engine(command: EngineCommand, log_path: Path, timeout_s: float) -> Engi
     result.tree_peak_rss_mib = sampler.peak_rss_kib / 1024.0
     result.tree_peak_pss_mib = sampler.peak_pss_kib / 1024.0
     result.load_average = [load_before, os.getloadavg()[0]]
+    result.others_cpu_share = sampler.others_cpu_share
     return result
 
 
@@ -568,7 +611,7 @@ def compare(args: argparse.Namespace) -> int:
             print(
                 f"  {result.output_tok_s:.1f} output tok/s, TTFT {result.ttft_s:.3f} s, "
                 f"decode {result.decode_tok_s:.1f} tok/s, peak PSS {result.tree_peak_pss_mib:.0f} MiB, "
-                f"load {result.load_average[0]:.1f} -> {result.load_average[1]:.1f}",
+                f"others used {100 * (result.others_cpu_share or 0):.0f}% of the CPUs",
                 file=sys.stderr,
             )
     summary = summarise(results)
@@ -593,9 +636,15 @@ def compare(args: argparse.Namespace) -> int:
     print(markdown_table(summary, run_counts))
     for engine, runs in results.items():
         if runs:
-            loads = [f"{a:.1f}->{b:.1f}" for a, b in (r.load_average for r in runs)]
+            shares = [f"{100 * (r.others_cpu_share or 0):.0f}%" for r in runs]
             print(f"\n{engine} settings: {json.dumps(runs[-1].settings, sort_keys=True)}")
-            print(f"{engine} 1-min load average per run (2 CPUs): {', '.join(loads)}")
+            print(f"{engine}: CPU share other processes used during each run: {', '.join(shares)}")
+    busy = [r for runs in results.values() for r in runs if (r.others_cpu_share or 0) > BUSY_MACHINE_SHARE]
+    if busy:
+        print(
+            f"\nwarning: other processes used over {BUSY_MACHINE_SHARE:.0%} of the CPUs during {len(busy)} "
+            "run(s); with threads on every core such figures measure contention, not the engines"
+        )
     print(f"\nJSON written to {args.out}")
     if errors:
         print("errors:\n  " + "\n  ".join(errors))
