@@ -13,7 +13,7 @@ from torch import nn
 
 from jitney.model.attention import AttentionBackend, AttentionMetadata, TorchSdpaAttention
 from jitney.model.config import ModelConfig
-from jitney.model.linear import Linear, pack_weight, packed_matmul
+from jitney.model.linear import Linear, pack_weight, packed_linear
 from jitney.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -127,7 +127,7 @@ class DecoderModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed_lm_head is not None:
-            return packed_matmul(hidden, self._packed_lm_head).float()
+            return packed_linear(hidden, self._packed_lm_head).float()
         weight = self.embed if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight).float()
 

@@ -33,7 +33,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack(self) -> bool:
@@ -47,17 +47,22 @@ class Linear(nn.Module):
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a [out, in] weight, or None where it is not available."""
+    global _linear_op
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        probe = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
-        torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        # The concrete overload, looked up once: skips torch.ops' per-call overload resolution.
+        _linear_op = torch.ops.mkldnn._linear_pointwise.default
+        _linear_op(torch.zeros(1, weight.shape[1], dtype=weight.dtype), packed, None, "none", [], "")
     except (RuntimeError, AttributeError) as err:
         log.info("oneDNN weight packing unavailable (%s); using dense matmuls", err)
         return None
     return packed
 
 
-def packed_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _linear_op(x, packed, bias, "none", [], "")
+
+
+_linear_op = None
