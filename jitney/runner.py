@@ -20,7 +20,7 @@ import torch
 
 from jitney.config import CacheConfig
 from jitney.core.outputs import ExecutorResult, NewRequestData, ScheduledChunk, SchedulerOutput
-from jitney.model.attention import AttentionMetadata, SequenceSpan, make_backend
+from jitney.model.attention import AttentionMetadata, CpuKernelAttention, SequenceSpan, make_backend
 from jitney.model.decoder import DecoderModel
 from jitney.model.loader import LoadedModel, load_model
 from jitney.model.paged_cache import (
@@ -84,6 +84,8 @@ class ModelRunner:
         self.device = model.device
         self.loaded = loaded
         model.backend = make_backend(attention, model.device)
+        if isinstance(model.backend, CpuKernelAttention):
+            model.use_cpu_kernels()
         if pack_weights and not model.pack_weights():
             log.info("weights stay dense (no oneDNN packing on %s)", model.device)
         self.sampler = Sampler(seed)

@@ -57,9 +57,9 @@ def random_step(num_heads: int, kv_heads: int, dtype: torch.dtype, seed: int = 0
 @pytest.mark.parametrize(("num_heads", "kv_heads"), [(4, 4), (6, 2)], ids=["mha", "gqa"])
 def test_backend_matches_reference(backend, dtype, num_heads, kv_heads):
     if backend == "cpu-kernel":
-        from jitney.model.cpu_attention import load_kernel
+        from jitney.model.cpu_kernels import load_kernels
 
-        if load_kernel() is None:
+        if load_kernels() is None:
             pytest.skip("the CPU paged-attention kernel cannot be built here")
     q, k, v, k_cache, v_cache, meta = random_step(num_heads, kv_heads, dtype)
     scale = q.shape[-1] ** -0.5

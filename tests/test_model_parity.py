@@ -74,9 +74,9 @@ def mixed_step_logits(
 
 def require_backend(name: str) -> None:
     if name == "cpu-kernel":
-        from jitney.model.cpu_attention import load_kernel
+        from jitney.model.cpu_kernels import load_kernels
 
-        if load_kernel() is None:
+        if load_kernels() is None:
             pytest.skip("the CPU paged-attention kernel cannot be built here")
 
 

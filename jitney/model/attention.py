@@ -198,18 +198,20 @@ class TorchSdpaAttention:
 
 class CpuKernelAttention(TorchSdpaAttention):
     """SDPA for prefill chunks, and the compiled CPU kernel for decodes: it reads K/V straight from
-    their blocks instead of gathering them into a copy first (see jitney.model.cpu_attention)."""
+    their blocks instead of gathering them into a copy first (see jitney.model.cpu_kernels)."""
 
     def __init__(self) -> None:
-        from jitney.model.cpu_attention import load_kernel
+        from jitney.model.cpu_kernels import load_kernels
 
-        kernel = load_kernel()
-        if kernel is None:
+        kernels = load_kernels()
+        if kernels is None:
             raise RuntimeError("the CPU paged-attention kernel could not be built on this machine")
-        self._kernel = kernel
+        self._paged_decode = kernels.paged_decode
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self._kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return self._paged_decode(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
 
 
 BACKENDS = {

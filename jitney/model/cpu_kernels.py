@@ -1,10 +1,15 @@
-"""A paged decode-attention kernel for CPU, compiled on first use with torch's C++ extension tools.
+"""CPU kernels compiled on first use with torch's C++ extension tools: paged decode attention and
+RMSNorm.
 
 Plain torch has no way to read K/V through a block table without first gathering the blocks into
 a contiguous copy, so the torch backend moves every cached byte three times per layer (gather
 read, gather write, matmul read). At large batches that KV traffic, not the weights, bounds a
 decode step. This kernel reads each cached K/V row once, straight from its block: one task per
 (sequence, KV head), the query heads of its group scored together, softmax in float32.
+
+RMSNorm is here because in plain torch it is about ten small ops per call, and at batch 1 their
+dispatch overhead costs a tenth of a decode step; the kernel does it in one pass, with the
+reference's rounding (normalise in float32, round to the model dtype, then scale by the weight).
 
 Compilation takes about a minute once per machine (cached by torch under
 ~/.cache/torch_extensions); if it fails, ``load_kernel`` returns None and the torch path is used.
@@ -145,6 +150,53 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   }
   return out;
 }
+
+template <typename T>
+static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& out,
+                          double eps) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(dim), wf(dim);
+    widen(wp, wf.data(), dim);
+    for (int64_t r = begin; r < end; ++r) {
+      widen(xp + r * dim, xf.data(), dim);
+      float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t d = 0; d < dim; ++d) sq += xf[d] * xf[d];
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(dim) + static_cast<float>(eps));
+      for (int64_t d = 0; d < dim; ++d) {
+        const float normed = static_cast<float>(static_cast<T>(xf[d] * inv));
+        op[r * dim + d] = static_cast<T>(wf[d] * normed);
+      }
+    }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0),
+              "x [rows, dim], weight [dim]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight dtypes differ");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto out = torch::empty_like(x);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      rms_norm_impl<float>(x, weight, out, eps);
+      break;
+    case at::kBFloat16:
+      rms_norm_impl<at::BFloat16>(x, weight, out, eps);
+      break;
+    case at::kHalf:
+      rms_norm_impl<at::Half>(x, weight, out, eps);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
+}
 """
 
 _lock = threading.Lock()
@@ -152,8 +204,8 @@ _kernel = None
 _tried = False
 
 
-def load_kernel():
-    """The compiled ``paged_decode`` function, or None when it cannot be built here."""
+def load_kernels():
+    """The compiled module (``paged_decode``, ``rms_norm``), or None when it cannot be built here."""
     global _kernel, _tried
     with _lock:
         if _tried:
@@ -164,17 +216,17 @@ def load_kernel():
         try:
             from torch.utils.cpp_extension import load_inline
 
-            log.info("building the CPU paged-attention kernel (once per machine, about a minute)")
+            log.info("building jitney's CPU kernels (once per machine, about a minute)")
             module = load_inline(
-                name="jitney_cpu_attention_v3",
+                name="jitney_cpu_kernels_v1",
                 cpp_sources=_SOURCE,
-                functions=["paged_decode"],
+                functions=["paged_decode", "rms_norm"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
                 verbose=False,
             )
-            _kernel = module.paged_decode
+            _kernel = module
         except Exception as err:  # any build failure means: use the torch path
-            log.warning("CPU paged-attention kernel unavailable (%s); using the torch backend", err)
+            log.warning("jitney's CPU kernels are unavailable (%s); using plain torch", err)
             _kernel = None
         return _kernel
 
@@ -187,7 +239,17 @@ def paged_decode(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    kernel = load_kernel()
-    if kernel is None:
-        raise RuntimeError("the CPU paged-attention kernel is not available")
-    return kernel(q, k_cache, v_cache, block_tables, context_lens, scale)
+    """Decode attention over the paged cache: q [seqs, heads, dim] -> [seqs, heads, dim]."""
+    return _require().paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [rows, dim] normalised in float32, rounded to x's dtype, then scaled by ``weight``."""
+    return _require().rms_norm(x, weight, eps)
+
+
+def _require():
+    kernels = load_kernels()
+    if kernels is None:
+        raise RuntimeError("jitney's CPU kernels are not available on this machine")
+    return kernels
