@@ -35,7 +35,7 @@ class SuiteConfig:
     slots_repeats: int = 3
     tp_prompts: int = 16
     tp_input: str = "lognormal:128,0.6,16,512"
-    tp_output: str = "lognormal:48,0.6,16,128"
+    tp_output: str = "lognormal:32,0.6,16,96"
     serve_prompts: int = 24
     serve_rate: float = 0.5
     serve_input: str = "lognormal:128,0.6,16,512"
