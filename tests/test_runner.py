@@ -99,3 +99,22 @@ def test_logprobs_are_returned_for_requests_that_ask(runner_factory):
 def test_kv_pool_description(runner_factory):
     text = runner_factory().describe_kv_pool(max_model_len=64)
     assert "64 blocks x 4 tokens" in text and "4.00x" in text
+
+
+def test_thread_setting_is_overridable(monkeypatch):
+    import torch
+
+    from jitney.runner import apply_thread_setting
+
+    before = torch.get_num_threads()
+    try:
+        assert apply_thread_setting(1) == 1
+        monkeypatch.setenv("JITNEY_NUM_THREADS", str(before))
+        assert apply_thread_setting() == before
+        monkeypatch.setenv("JITNEY_NUM_THREADS", "two")
+        with pytest.raises(ValueError, match="JITNEY_NUM_THREADS"):
+            apply_thread_setting()
+        with pytest.raises(ValueError, match="num_threads"):
+            apply_thread_setting(0)
+    finally:
+        torch.set_num_threads(before)
