@@ -213,17 +213,23 @@ def _predict_ms(cost, rows: list[dict]) -> np.ndarray:
     return np.array([cost.step_seconds(s) * 1e3 for s in shapes])
 
 
-def _trim_outliers(rows: list[dict], k: float = 4.0) -> list[dict]:
-    """Drop steps far slower than the first fit predicts (more than ``k`` robust deviations of the
-    residuals): on shared cores a descheduled thread turns a 1 ms step into 100 ms, which is not
-    the engine's cost and would drag a least-squares plane away from every other step."""
+def _trim_outliers(rows: list[dict], k: float = 4.0, passes: int = 3) -> list[dict]:
+    """Drop steps far slower than the fit predicts (more than ``k`` robust deviations of the
+    residuals), refitting up to ``passes`` times: on shared cores a descheduled thread turns a 1 ms
+    step into 100 ms, which is not the engine's cost and drags a least-squares plane away from
+    every other step (a big spike hides smaller ones until it is gone)."""
     from jitney.sim.costs import ProfileCost
 
-    cost = ProfileCost.fit_samples(_tuples(rows))
-    resid = np.array([r["ms"] for r in rows]) - _predict_ms(cost, rows)
-    spread = 1.4826 * float(np.median(np.abs(resid - np.median(resid)))) or 1e-9
-    keep = [r for r, e in zip(rows, resid, strict=True) if e <= k * spread]
-    return keep if len(keep) >= 4 else rows
+    keep = rows
+    for _ in range(passes):
+        cost = ProfileCost.fit_samples(_tuples(keep))
+        resid = np.array([r["ms"] for r in keep]) - _predict_ms(cost, keep)
+        spread = 1.4826 * float(np.median(np.abs(resid - np.median(resid)))) or 1e-9
+        kept = [r for r, e in zip(keep, resid, strict=True) if e <= k * spread]
+        if len(kept) == len(keep) or len(kept) < 4:
+            break
+        keep = kept
+    return keep
 
 
 def fit_profile(rows: list[dict], holdout: float = 0.25, seed: int = 0, trim: bool = True):

@@ -47,6 +47,7 @@ class SuiteConfig:
     num_blocks: int = 2048
     kv_cache_mib: int = 1024
     profile_repeats: int = 1
+    calibration_threads: int = 1
     seed: int = 0
 
 
@@ -218,6 +219,9 @@ def calibration_section(cfg: SuiteConfig) -> str:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         num_blocks=cfg.num_blocks,
     )
+    # One torch thread for the profile and the served engine alike: with two OpenMP threads on two
+    # shared cores, a step waits for whichever thread another process has descheduled.
+    settings = replace(settings, threads=cfg.calibration_threads)
     grid = cal.ProfileGrid(repeats=cfg.profile_repeats)
     profiled = cal.profile_engine(settings, grid, seed=cfg.seed)
     cal.write_jsonl(profiled.rows, cfg.cache_dir / "profile.jsonl")
@@ -248,7 +252,8 @@ def calibration_section(cfg: SuiteConfig) -> str:
             f"--max-num-batched-tokens {cfg.max_num_batched_tokens} --num-blocks {cfg.num_blocks} "
             f"--repeats {cfg.profile_repeats} --num-prompts {cfg.serve_prompts} "
             f"--request-rate {cfg.serve_rate:g} "
-            f"--input-len {cfg.serve_input} --output-len {cfg.serve_output} --seed {cfg.seed + 1}`",
+            f"--input-len {cfg.serve_input} --output-len {cfg.serve_output} --seed {cfg.seed + 1} "
+            f"--threads {cfg.calibration_threads}`",
             "",
             f"- {len(profiled.rows)} engine steps timed whole (schedule + execute + update); "
             f"{held.num_trimmed} interference outliers trimmed from the fit.",
