@@ -151,15 +151,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        output = self.scheduler.schedule()
         start = time.perf_counter()
+        output = self.scheduler.schedule()
         result = self.executor.execute(output)
-        elapsed_ms = (time.perf_counter() - start) * 1e3
         self.num_steps += 1
-        if self.step_listeners and output.chunks:
-            record = step_record(output, elapsed_ms)
-            for listener in self.step_listeners:
-                listener(record)
         deltas = self.scheduler.update_from_output(output, result)
         logprobs = result.logprobs or {}
         outputs = []
@@ -180,6 +175,11 @@ class Engine:
                     new_lp,
                 )
             )
+        if self.step_listeners and output.chunks:
+            # The whole step (schedule, forward, update, detokenize): what a request waits for.
+            record = step_record(output, (time.perf_counter() - start) * 1e3)
+            for listener in self.step_listeners:
+                listener(record)
         return outputs
 
     def _detokenize(
