@@ -218,10 +218,12 @@ def load_kernels():
 
             log.info("building jitney's CPU kernels (once per machine, about a minute)")
             module = load_inline(
-                name="jitney_cpu_kernels_v1",
+                name="jitney_cpu_kernels_v2",
                 cpp_sources=_SOURCE,
                 functions=["paged_decode", "rms_norm"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
+                # -fopenmp: at::parallel_for is a header template that is serial without it.
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
             _kernel = module
