@@ -78,6 +78,8 @@ class LLM:
         num_blocks: int | None = None,
         kv_cache_memory: int | None = None,
         profile_path: str | Path | None = None,
+        attention: str = "auto",
+        num_threads: int | None = None,
     ) -> None:
         from jitney.model.registry import resolve_model
         from jitney.runner import ModelRunner
@@ -97,6 +99,9 @@ class LLM:
             kv_cache_memory=kv_cache_memory,
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
+            attention=attention,
+            num_threads=num_threads,
+            max_useful_tokens=max_num_seqs * max_model_len if max_model_len is not None else None,
         )
         self.model_name = resolved.name
         loaded = self.runner.loaded

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"loading {args.model or 'the bundled default model'} ...", flush=True)
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_model_len=2048)
+    llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_model_len=2048, max_num_seqs=16)
     print(
         f"loaded {llm.model_name} ({llm.runner.model.dtype}) in {time.perf_counter() - t0:.1f} s; "
         f"{llm.runner.describe_kv_pool(2048)}",
