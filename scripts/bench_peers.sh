@@ -54,7 +54,9 @@ done
 
 # 2. tcmalloc, preloaded into the vLLM process (about 10% faster there).
 find_tcmalloc() {
-    ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}'
+    # awk reads everything (no early exit): an early exit would SIGPIPE ldconfig and, under
+    # pipefail, fail the script at random.
+    ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{found = $NF} END {if (found) print found}' || true
 }
 TCMALLOC="$(find_tcmalloc)"
 if [[ -z "$TCMALLOC" ]]; then
