@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-SECTIONS = ("slots", "throughput", "serve", "calibration")
+SECTIONS = ("scheduler", "simulator", "slots", "throughput", "serve", "calibration")
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,68 @@ def slots_section(cfg: SuiteConfig) -> str:
             format_table(runs),
         ]
     )
+
+
+def scheduler_section(cfg: SuiteConfig) -> str:
+    from jitney.bench.scheduler_overhead import measure
+
+    rows = [measure(n) for n in (32, 64, 128, 256, 512, 1024)]
+    lines = [
+        "## Scheduler overhead",
+        "",
+        "`python -m jitney.bench.scheduler_overhead` — one `schedule()` + `update_from_output()` step with "
+        "N requests decoding and 1,000 waiting, block size 16, prefix caching on; median and p90 of 300 "
+        "steps. Target: at most 300 µs at 256 running, growing linearly or better.",
+        "",
+        "| running | median µs/step | p90 µs/step | µs per running request |",
+        "|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r.running} | {r.median_us:.0f} | {r.p90_us:.0f} | {r.us_per_running_request:.2f} |" for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def simulator_section(cfg: SuiteConfig) -> str:
+    default_text, default_s = _simulate([])
+    hour_text, hour_s = _simulate(["--duration", "3600", "--policy", "chunked"])
+    num_hour = 57_521  # requests in an hour of 16 req/s drawn with seed 1234
+    return "\n".join(
+        [
+            "## Simulator",
+            "",
+            f"`jitney simulate` (the seed's experiment, three policies): {default_s:.2f} s of simulation "
+            "wall time (target: under 2 s).",
+            "",
+            "```",
+            default_text.strip(),
+            "```",
+            "",
+            f"`jitney simulate --duration 3600 --policy chunked`: {hour_s:.1f} s of wall time for "
+            f"{num_hour:,} requests, {num_hour / hour_s:,.0f} simulated requests per second (target: "
+            "at least 5,000).",
+            "",
+            "```",
+            hour_text.strip(),
+            "```",
+        ]
+    )
+
+
+def _simulate(args: list[str]) -> tuple[str, float]:
+    """Run ``jitney simulate`` and return its output and the wall time it reports for simulating."""
+    res = subprocess.run(
+        [sys.executable, "-m", "jitney.cli", "simulate", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    seconds = float("nan")
+    for line in res.stdout.splitlines():
+        if line.startswith("simulated in "):
+            seconds = float(line.split()[2])
+    return res.stdout, seconds
 
 
 def _model_dir(cfg: SuiteConfig) -> Path:
@@ -270,6 +332,8 @@ def calibration_section(cfg: SuiteConfig) -> str:
 
 
 _SECTIONS: dict[str, Callable[[SuiteConfig], str]] = {
+    "scheduler": scheduler_section,
+    "simulator": simulator_section,
     "slots": slots_section,
     "throughput": throughput_section,
     "serve": serve_section,
