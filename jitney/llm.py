@@ -7,6 +7,7 @@ answered together by whichever batching policy the LLM was built with.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,8 @@ from jitney.core.scheduler import Scheduler
 from jitney.engine import Engine, StepRecord
 from jitney.metrics import RequestRecord, from_request
 from jitney.request import Request, SamplingParams
+
+logger = logging.getLogger("jitney")
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
@@ -109,6 +112,8 @@ class LLM:
         tok = loaded.tokenizer
         self.tokenizer = tok if isinstance(tok, Tokenizer) else Tokenizer.from_directory(tok)
         model_len = self.runner.model_config.max_position_embeddings
+        if max_model_len is not None and max_model_len > model_len:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_len}")
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -117,6 +122,7 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             max_model_len=max_model_len if max_model_len is not None else model_len,
         )
+        logger.info("%s", self.runner.describe_kv_pool(self.scheduler_config.max_model_len))
         self._profile = ProfileWriter(profile_path) if profile_path is not None else None
         self.engine = Engine(
             Scheduler(self.scheduler_config, self.runner.cache_config),

@@ -39,10 +39,6 @@ def build_engine(
 
     llm = LLM(model, **llm_options)
     max_model_len = llm.scheduler_config.max_model_len
-    model_limit = llm.runner.model_config.max_position_embeddings
-    if max_model_len > model_limit:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_limit}")
-    logger.info("%s", llm.runner.describe_kv_pool(max_model_len))
     return EngineBundle(llm.engine, llm.tokenizer, model_name or llm.model_name, max_model_len)
 
 
