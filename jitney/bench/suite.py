@@ -207,6 +207,19 @@ def throughput_section(cfg: SuiteConfig) -> str:
     )
 
 
+def _engine_settings(cfg: SuiteConfig, model_dir: Path):
+    """The engine both the serving and the calibration sections run: one definition, one setup."""
+    from jitney.bench import calibrate as cal
+
+    return cal.EngineSettings(
+        str(model_dir),
+        dtype=cfg.dtype,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        num_blocks=cfg.num_blocks,
+    )
+
+
 def serve_section(cfg: SuiteConfig) -> str:
     from jitney.bench import calibrate as cal
     from jitney.bench.client import ApiTarget, discover_model
@@ -217,13 +230,7 @@ def serve_section(cfg: SuiteConfig) -> str:
     from jitney.metrics import SLO
 
     model_dir = _model_dir(cfg)
-    settings = cal.EngineSettings(
-        str(model_dir),
-        dtype=cfg.dtype,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        num_blocks=cfg.num_blocks,
-    )
+    settings = _engine_settings(cfg, model_dir)
     vocab = read_vocab_size(model_dir)
     reqs = random_requests(
         cfg.serve_prompts,
@@ -274,13 +281,7 @@ def calibration_section(cfg: SuiteConfig) -> str:
     from jitney.bench.serve import arrival_offsets
 
     model_dir = _model_dir(cfg)
-    settings = cal.EngineSettings(
-        str(model_dir),
-        dtype=cfg.dtype,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        num_blocks=cfg.num_blocks,
-    )
+    settings = _engine_settings(cfg, model_dir)
     # One torch thread for the profile and the served engine alike: with two OpenMP threads on two
     # shared cores, a step waits for whichever thread another process has descheduled.
     settings = replace(settings, threads=cfg.calibration_threads)
