@@ -104,7 +104,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             attention=attention,
             num_threads=num_threads,
-            max_useful_tokens=max_num_seqs * max_model_len if max_model_len is not None else None,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
         )
         self.model_name = resolved.name
         loaded = self.runner.loaded

@@ -112,18 +112,20 @@ class ModelRunner:
         seed: int | None = None,
         pack_weights: bool = True,
         num_threads: int | None = None,
-        max_useful_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
     ) -> ModelRunner:
         """Load a checkpoint and size the KV pool: ``cache_config`` as given, else ``kv_cache_memory``
         bytes, else a fixed fraction of free memory (see jitney.model.paged_cache) but no more than
-        ``max_useful_tokens`` (max_num_seqs x max_model_len: blocks beyond that can never be used,
-        and the pool is zero-filled, so they would only cost resident memory)."""
+        ``max_num_seqs`` x ``max_model_len`` tokens (the model's context length when not given):
+        blocks beyond that can never be used, and the zero-filled pool would only cost memory."""
         loaded = load_model(path_or_name, dtype=dtype, device=device)
         if cache_config is None:
             memory = kv_cache_memory if kv_cache_memory is not None else default_kv_cache_memory(device)
             num_blocks = num_blocks_for_memory(memory, loaded.config, block_size, loaded.model.dtype)
-            if kv_cache_memory is None and max_useful_tokens is not None:
-                num_blocks = min(num_blocks, -(-max_useful_tokens // block_size))
+            if kv_cache_memory is None and max_num_seqs is not None:
+                model_len = max_model_len or loaded.config.max_position_embeddings
+                num_blocks = min(num_blocks, -(-max_num_seqs * model_len // block_size))
             cache_config = CacheConfig(
                 block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching
             )

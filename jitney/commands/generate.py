@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.set_defaults(func=run)
 
 
@@ -32,7 +32,9 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    llm = LLM(
+        args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=1
+    )
     tok = llm.tokenizer
     if args.raw or not tok.chat_template:
         token_ids = tok.encode(args.prompt)
