@@ -44,12 +44,12 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     out: list[int] = []
     with torch.no_grad():
         res = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
-        past = res.past_key_values
+        cache = res.cache
         for _ in range(n):
             token = int(res.logits[0, -1].argmax())
             out.append(token)
-            res = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+            cache = res.cache
     return out
 
 
