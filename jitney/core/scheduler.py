@@ -299,6 +299,13 @@ class Scheduler:
         return bool(self.requests)
 
     @property
+    def num_padding_decode_slots(self) -> int:
+        """Static policy: slots the running wave holds beyond its live requests (paid padding)."""
+        if self.policy.uses_token_budget or not self.running:
+            return 0
+        return max(self._wave_size - len(self.running), 0)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 

@@ -151,12 +151,10 @@ def _run(
     clock = VirtualClock()
     sched = Scheduler(scheduler_config, cache_config, clock=clock)
     executor = SimExecutor(cost, clock)
-    static = not sched.policy.uses_token_budget
     prompts = _PromptTokens(cache_config.enable_prefix_caching)
     timeline = Timeline() if record_timeline else None
     requests: list[Request] = []
     rejected: list[tuple[TrafficItem, str]] = []
-    wave_size = 0  # static: slots the running wave holds (its padding is paid for)
     num_fast = 0
     i, n = 0, len(items)
 
@@ -187,7 +185,7 @@ def _run(
         if timeline is not None:
             timeline.sample(clock.now, sched)
         if fast_path:
-            padding = max(wave_size - len(sched.running), 0) if static else 0
+            padding = sched.num_padding_decode_slots
             k = advance_decodes(sched, clock, cost, executor.counters, next_arrival, padding)
             if k:
                 num_fast += k
@@ -202,8 +200,6 @@ def _run(
                 f"scheduler made no progress with {sched.num_waiting} waiting and "
                 f"{len(sched.running)} running requests at t={clock.now:.3f} s"
             )
-        if static and out.new_requests:
-            wave_size = len(out.new_requests)
         result = executor.execute(out)
         sched.update_from_output(out, result)
 
