@@ -9,15 +9,8 @@ import numpy as np
 
 from jitney.bench.serve import LoadResult, SweepPoint
 from jitney.metrics import SLO
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from jitney.plotting import pyplot as _pyplot
+from jitney.plotting import save
 
 
 def _cdf(ax, values_ms: list[float], title: str, slo_ms: float | None = None) -> None:
@@ -49,10 +42,7 @@ def plot_run(
     itl = [float(g) * 1e3 for r in ok for g in np.diff(r.token_times)]
     _cdf(axes[1, 0], itl, "ITL (between streamed chunks)")
     _cdf(axes[1, 1], [r.e2el * 1e3 for r in ok], "end-to-end latency", slo.e2el_ms)
-    fig.tight_layout()
-    paths = [out / "latency_cdf.png"]
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths = [save(fig, out / "latency_cdf.png")]
 
     t0 = result.start
     end = max(result.duration, bin_s)
@@ -64,10 +54,7 @@ def plot_run(
     ax.set_title("streamed chunks per second (output throughput)")
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("chunks/s")
-    ax.grid(alpha=0.3)
-    paths.append(out / "throughput.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, out / "throughput.png", (ax,)))
 
     events = sorted(
         [(r.arrival_time - t0, 1) for r in result.records]
@@ -83,10 +70,7 @@ def plot_run(
     ax.set_title("requests in flight")
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("requests")
-    ax.grid(alpha=0.3)
-    paths.append(out / "concurrency.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, out / "concurrency.png", (ax,)))
     return paths
 
 
@@ -112,8 +96,4 @@ def plot_sweep(points: list[SweepPoint], out_dir: str | Path, slo: SLO) -> Path:
     ax2.set_ylabel("goodput (req/s)")
     ax.legend(loc="lower left")
     ax.grid(alpha=0.3)
-    path = out / "sweep.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out / "sweep.png")

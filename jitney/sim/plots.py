@@ -13,17 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from jitney.plotting import pyplot as _pyplot
+from jitney.plotting import save
 from jitney.sim.experiment import Outcome
 from jitney.sim.sweep import SweepPoint, saturation_rates
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_timeline(outcomes: list[Outcome], path: Path, first: int = 40) -> None:
@@ -43,9 +36,7 @@ def plot_timeline(outcomes: list[Outcome], path: Path, first: int = 40) -> None:
         ax.set_ylabel("request")
         ax.invert_yaxis()
     axes[-1, 0].set_xlabel("simulated time, ms  (grey: waiting, orange: prefill, blue: decode)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _cdf(ax, values_ms: np.ndarray, label: str) -> None:
@@ -63,12 +54,7 @@ def plot_cdfs(outcomes: list[Outcome], path: Path) -> None:
     a.set_xscale("symlog", linthresh=1.0)
     a.set(xlabel="TTFT, ms", ylabel="share of requests", title="TTFT")
     b.set(xlabel="TPOT, ms", title="TPOT")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, (a, b), legend_fontsize=8)
 
 
 def plot_kv_queue(outcomes: list[Outcome], path: Path) -> None:
@@ -82,12 +68,7 @@ def plot_kv_queue(outcomes: list[Outcome], path: Path) -> None:
         b.step(tl.time, tl.num_waiting, where="post", label=o.run.label, lw=0.8)
     a.set(ylabel="KV pool used, %", title="KV cache usage")
     b.set(ylabel="waiting requests", xlabel="simulated time, s", title="queue length")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, (a, b), legend_fontsize=8)
 
 
 def plot_sweep(points: list[SweepPoint], path: Path) -> None:
@@ -120,12 +101,7 @@ def plot_sweep(points: list[SweepPoint], path: Path) -> None:
     a.set(xlabel="offered load, req/s", ylabel="ms", title="TTFT p95", yscale="log")
     b.set(xlabel="offered load, req/s", ylabel="ms", title="TPOT p95")
     c.set(xlabel="offered load, req/s", ylabel="output tok/s", title="throughput (dashed: saturation)")
-    for ax in (a, b, c):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, (a, b, c), legend_fontsize=8)
 
 
 def plot_all(outcomes: list[Outcome], directory: Path) -> list[Path]:
