@@ -6,7 +6,6 @@ The properties run every policy and queue over random arrivals, lengths and pool
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import pytest
@@ -367,13 +366,23 @@ def test_config_errors_name_the_field() -> None:
 
 def test_lru_eviction_takes_least_recently_freed_and_deepest_first() -> None:
     sched = Scheduler(SchedulerConfig(), CacheConfig(block_size=2, num_blocks=8))
-    sched.add_request(make_request("a", [1, 2, 3, 4, 5], 1))  # blocks: [1,2] [3,4] [5,x]
+    sched.add_request(make_request("a", [1, 2, 3, 4, 5], 1))  # 3 blocks: [1,2] [3,4] [5,out]
     run_to_completion(sched)
+    # Never-used blocks first, then a's blocks deepest first: its head block is evicted last.
     free_order = [b.block_id for b in sched.kv.pool.free_queue]
-    a_blocks_freed_last = free_order[-3:]
-    # Deepest block of "a" was freed first among its blocks, so it is evicted before its head.
-    assert sched.kv.pool.blocks[a_blocks_freed_last[-1]].block_hash is not None  # head block kept
-    rng = random.Random(0)
-    sched.add_request(make_request("b", [rng.randrange(50, 90) for _ in range(9)], 1))
+    a_ids = free_order[-3:]
+    # The deepest block is not cached: its last token (the sampled one) never had its KV computed.
+    assert [sched.kv.pool.blocks[i].block_hash is not None for i in a_ids] == [False, True, True]
+    # b needs 6 blocks (11 prompt + 1 output tokens): the 5 unused ones and a's deepest.
+    sched.add_request(make_request("b", list(range(50, 61)), 1))
+    out = sched.schedule()
+    assert set(out.chunks[0].new_block_ids) == set(free_order[:6])
+    sched.update_from_output(out, token_executor(out))
+    run_to_completion(sched)
+    # a's first two blocks survived: the same prompt hits 4 cached tokens.
+    sched.add_request(make_request("c", [1, 2, 3, 4, 5], 1))
+    out = sched.schedule()
+    assert out.chunks[0].start == 4
+    sched.update_from_output(out, token_executor(out))
     run_to_completion(sched)
     sched.check_invariants()
