@@ -11,28 +11,36 @@ from jitney.model.attention import AttentionMetadata, SequenceSpan, make_backend
 BLOCK = 4
 
 
-def random_step(num_heads: int, kv_heads: int, dtype: torch.dtype, seed: int = 0):
-    """A step with 4 decodes, 2 prefill chunks (one continuing a cached prefix) and 2 padding rows."""
+def random_step(
+    num_heads: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    head_dim: int = 16,
+    block: int = BLOCK,
+    prefill: tuple[tuple[int, int], ...] = ((0, 6), (9, 5)),  # (cached prefix, chunk length)
+):
+    """A step with 4 decodes, prefill chunks (by default two, one continuing a cached prefix) and
+    2 padding rows."""
     gen = torch.Generator().manual_seed(seed)
-    head_dim, num_blocks = 16, 64
-    k_cache = torch.randn(num_blocks, kv_heads, BLOCK, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, kv_heads, BLOCK, head_dim, generator=gen).to(dtype)
+    decode_lens = [1, 3, 4, 13]
+    num_blocks = sum(-(-n // block) for n in decode_lens) + sum(-(-(a + b) // block) for a, b in prefill) + 8
+    k_cache = torch.randn(num_blocks, kv_heads, block, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, block, head_dim, generator=gen).to(dtype)
     free = iter(torch.randperm(num_blocks, generator=gen).tolist())
 
     def table(n_tokens: int) -> list[int]:
-        return [next(free) for _ in range(-(-n_tokens // BLOCK))]
+        return [next(free) for _ in range(-(-n_tokens // block))]
 
-    decode_lens = [1, 3, 4, 13]
     decode_tables = [table(n) for n in decode_lens]
     width = max(map(len, decode_tables))
-    prefill = [(0, 6), (9, 5)]  # (cached prefix, chunk length)
     prefill_tables = [table(start + n) for start, n in prefill]
 
     slots, spans, row = [], [], len(decode_lens)
     for n, blocks in zip(decode_lens, decode_tables, strict=True):
-        slots.append(blocks[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK)
+        slots.append(blocks[(n - 1) // block] * block + (n - 1) % block)
     for (start, n), blocks in zip(prefill, prefill_tables, strict=True):
-        slots += [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
+        slots += [blocks[p // block] * block + p % block for p in range(start, start + n)]
         spans.append(SequenceSpan(row, n, start + n, torch.tensor(blocks)))
         row += n
     padding = 2
@@ -41,7 +49,7 @@ def random_step(num_heads: int, kv_heads: int, dtype: torch.dtype, seed: int = 0
     k = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
     meta = AttentionMetadata(
-        block_size=BLOCK,
+        block_size=block,
         slot_mapping=torch.tensor(slots),
         num_decode_tokens=len(decode_lens),
         decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables]),
@@ -74,6 +82,34 @@ def test_backend_matches_reference(backend, dtype, num_heads, kv_heads):
     untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
     untouched[meta.slot_blocks] = False
     assert torch.equal(cache_k[untouched], k_cache[untouched])
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "block", "num_heads", "kv_heads"),
+    [(64, 16, 9, 3), (64, 32, 4, 4), (128, 16, 16, 2), (64, 16, 8, 1)],
+    ids=["smollm2", "block32", "d128", "mqa"],
+)
+def test_compiled_prefill_kernel_matches_reference(head_dim, block, num_heads, kv_heads):
+    """bf16 steps whose prefill chunks take the compiled causal kernel: whole prompts of 1 to 300
+    tokens, chunks continuing a cached prefix (inside a block, on a block edge, long), next to
+    decodes and padding rows; the cache writes are the reference's."""
+    from jitney.model.cpu_kernels import load_kernels
+
+    kernels = load_kernels()
+    if kernels is None or not kernels.has_prefill_kernel():
+        pytest.skip("the compiled prefill kernel cannot be built here")
+    prefill = ((0, 1), (0, 2), (0, 33), (5, 1), (7, 20), (block, 40), (100, 300), (0, 300))
+    q, k, v, k_cache, v_cache, meta = random_step(
+        num_heads, kv_heads, torch.bfloat16, seed=3, head_dim=head_dim, block=block, prefill=prefill
+    )
+    scale = head_dim**-0.5
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    expected = make_backend("reference").forward(q, k, v, ref_k, ref_v, meta, scale)
+    backend = make_backend("cpu-kernel")
+    assert backend._prefill_fits(q, k_cache)
+    got = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-3, rtol=4e-3)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
 def test_unknown_backend_is_rejected():

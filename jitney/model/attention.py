@@ -45,6 +45,7 @@ class AttentionMetadata:
         self.slot_blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
         self.slot_offsets = self.slot_mapping % self.block_size
         self._decode_bias: torch.Tensor | None = None
+        self._prefill_layout: tuple[torch.Tensor, ...] | None = None
 
     def decode_bias(self) -> torch.Tensor:
         """[decodes, 1, 1, positions] float32: 0 where a decode row may attend, -inf on padding.
@@ -56,6 +57,21 @@ class AttentionMetadata:
             bias = torch.zeros(padding.shape, dtype=torch.float32, device=padding.device)
             self._decode_bias = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
         return self._decode_bias
+
+    def prefill_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill chunks as batched tensors (query starts relative to the first chunk, query
+        lengths, context lengths, block tables padded with block 0), built once per step."""
+        if self._prefill_layout is None:
+            first = self.prefills[0].query_start if self.prefills else 0
+            starts = torch.tensor([p.query_start - first for p in self.prefills], dtype=torch.int64)
+            q_lens = torch.tensor([p.query_len for p in self.prefills], dtype=torch.int64)
+            ctx_lens = torch.tensor([p.context_len for p in self.prefills], dtype=torch.int64)
+            width = max((int(p.block_table.shape[0]) for p in self.prefills), default=0)
+            tables = torch.zeros(len(self.prefills), width, dtype=torch.int64)
+            for i, p in enumerate(self.prefills):
+                tables[i, : p.block_table.shape[0]] = p.block_table
+            self._prefill_layout = (starts, q_lens, ctx_lens, tables)
+        return self._prefill_layout
 
     @property
     def num_real_tokens(self) -> int:
@@ -197,8 +213,10 @@ class TorchSdpaAttention:
 
 
 class CpuKernelAttention(TorchSdpaAttention):
-    """SDPA for prefill chunks, and the compiled CPU kernel for decodes: it reads K/V straight from
-    their blocks instead of gathering them into a copy first (see jitney.model.cpu_kernels)."""
+    """The compiled CPU kernels (see jitney.model.cpu_kernels): decodes read K/V straight from their
+    blocks instead of gathering them into a copy first; in bf16 with head size 64 or 128 all of a
+    step's prefill chunks go through one causal kernel call as well. Other shapes and dtypes take
+    SDPA for the prefill chunks."""
 
     def __init__(self) -> None:
         from jitney.model.cpu_kernels import load_kernels
@@ -207,6 +225,34 @@ class CpuKernelAttention(TorchSdpaAttention):
         if kernels is None:
             raise RuntimeError("the CPU paged-attention kernel could not be built on this machine")
         self._paged_decode = kernels.paged_decode
+        self._paged_prefill = kernels.paged_prefill if kernels.has_prefill_kernel() else None
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        if not meta.prefills or not self._prefill_fits(q, k_cache):
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        write_kv(k, v, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        d = meta.num_decode_tokens
+        if d:
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
+        starts, q_lens, ctx_lens, tables = meta.prefill_layout()
+        first = meta.prefills[0].query_start
+        end = first + int(sum(p.query_len for p in meta.prefills))
+        out[first:end] = self._paged_prefill(
+            q[first:end], k_cache, v_cache, tables, starts, q_lens, ctx_lens, scale
+        )
+        if meta.num_padding_tokens:
+            out[q.shape[0] - meta.num_padding_tokens :] = _padding_output(v, q.shape[1], meta)
+        return out
+
+    def _prefill_fits(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return (
+            self._paged_prefill is not None
+            and q.dtype == torch.bfloat16
+            and k_cache.dtype == torch.bfloat16
+            and q.shape[-1] in (64, 128)
+            and k_cache.shape[2] % 16 == 0
+        )
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._paged_decode(

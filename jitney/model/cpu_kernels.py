@@ -37,6 +37,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cstring>
 #include <vector>
+#include <atomic>
 
 // Widen n contiguous values to float32 (vectorises: bf16 is the high half of a float32).
 static inline void widen(const float* src, float* dst, int64_t n) {
@@ -277,11 +278,205 @@ static bool decode_fast(const torch::Tensor& q, const torch::Tensor& k_cache, co
   }
   return false;
 }
+// Causal attention of the prefill chunks of a step, read straight from the paged cache.
+// Sequence i owns query rows [q_starts[i], q_starts[i] + q_lens[i]) of q; its keys are the first
+// ctx_lens[i] cached rows, and its query row j sits at position ctx_lens[i] - q_lens[i] + j, so a
+// chunk continuing a cached prefix sees that prefix. Work is split into tasks of (sequence,
+// KV head, 32 query positions); each task keeps the 32 x group query rows' online-softmax state
+// and walks the key tiles (16 cached rows) up to its last position: the tile of K is turned once
+// into dot-product order (pairs of dims x 16 keys), so every score vector is 32 bf16 dot-product
+// instructions with no horizontal sums; the tile of V is widened once and accumulated in float32.
+// Tasks are handed out largest first from a shared counter, which balances the causal triangle.
+template <int D>
+static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                const torch::Tensor& q_starts, const torch::Tensor& q_lens,
+                                const torch::Tensor& ctx_lens, torch::Tensor& out, double scale) {
+  constexpr int PAIRS = D / 2;  // 32-bit (bf16 pair) elements per head row
+  constexpr int AV = D / 16;    // float32 vectors per head row
+  constexpr int QT = 32;        // query positions per task
+  constexpr int RP = AV <= 4 ? 4 : 2;  // rows whose outputs stay in registers during P x V
+  const int64_t num_heads = q.size(1);
+  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / kv_heads, max_blocks = block_tables.size(1);
+  const int64_t num_seqs = q_starts.size(0);
+  const at::BFloat16* qp = q.data_ptr<at::BFloat16>();
+  const at::BFloat16* kp = k_cache.data_ptr<at::BFloat16>();
+  const at::BFloat16* vp = v_cache.data_ptr<at::BFloat16>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* starts = q_starts.data_ptr<int64_t>();
+  const int64_t* qlens = q_lens.data_ptr<int64_t>();
+  const int64_t* clens = ctx_lens.data_ptr<int64_t>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const float fscale = static_cast<float>(scale);
+
+  struct Task { int64_t seq, head, first, cost; };
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t prefix = clens[s] - qlens[s];
+    for (int64_t first = 0; first < qlens[s]; first += QT) {
+      const int64_t last_pos = prefix + std::min(qlens[s], first + QT) - 1;
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({s, h, first, last_pos + 1});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next_task{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
+
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const int64_t max_rows = QT * group + 8;  // room for padding the last row group to eight
+    std::vector<float> o(max_rows * D), peak(max_rows), total(max_rows);
+    std::vector<int64_t> pos(max_rows);
+    std::vector<const uint32_t*> qrows(max_rows);
+    alignas(64) uint32_t kt[PAIRS * 16];
+    alignas(64) float vf[16 * D];
+    for (int64_t t = next_task++; t < static_cast<int64_t>(tasks.size()); t = next_task++) {
+      const Task task = tasks[t];
+      const int64_t s = task.seq, h = task.head;
+      const int64_t prefix = clens[s] - qlens[s];
+      const int64_t positions = std::min<int64_t>(QT, qlens[s] - task.first);
+      const int64_t rows = positions * group;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t j = task.first + r / group, g = r % group;
+        pos[r] = prefix + j;
+        qrows[r] = reinterpret_cast<const uint32_t*>(qp + ((starts[s] + j) * num_heads + h * group + g) * D);
+        peak[r] = -INFINITY;
+        total[r] = 0.f;
+      }
+      for (int64_t r = rows; r < rows + 8; ++r) {  // padding rows: see no key, read row 0's query
+        pos[r] = -1;
+        qrows[r] = qrows[0];
+      }
+      std::fill(o.begin(), o.begin() + (rows + 8) * D, 0.f);
+      const int64_t keys = task.cost;  // keys 0 .. last position
+      for (int64_t k0 = 0; k0 < keys; k0 += 16) {
+        const int64_t block = tables[s * max_blocks + k0 / block_size];
+        const int64_t offset = ((block * kv_heads + h) * block_size + k0 % block_size) * D;
+        const int n_keys = static_cast<int>(std::min<int64_t>(16, keys - k0));
+        const uint32_t* ksrc = reinterpret_cast<const uint32_t*>(kp + offset);
+        for (int n = 0; n < 16; ++n)
+          for (int d = 0; d < PAIRS; ++d) kt[d * 16 + n] = n < n_keys ? ksrc[n * PAIRS + d] : 0u;
+        for (int n = 0; n < n_keys; ++n)
+          for (int i = 0; i < AV; ++i)
+            _mm512_store_ps(vf + n * D + 16 * i, load_bf16_as_f32(vp + offset + n * D + 16 * i));
+        // Rows are ordered by position: those before this tile see none of it.
+        int64_t r0 = 0;
+        while (r0 < rows && pos[r0] < k0) ++r0;
+        for (int64_t rb = r0 / 8 * 8; rb < rows; rb += 8) {
+          // Scores of eight rows at once, two partial sums each: sixteen independent chains of
+          // dot-product instructions keep the units busy (one chain would wait on each result).
+          __m512 even[8], odd[8];
+          _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+          for (int d = 0; d < PAIRS; d += 2) {
+            const __m512bh k_even = (__m512bh)_mm512_load_si512(kt + d * 16);
+            const __m512bh k_odd = (__m512bh)_mm512_load_si512(kt + (d + 1) * 16);
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {
+              const uint32_t* qrow = qrows[rb + i];
+              even[i] = _mm512_dpbf16_ps(even[i], k_even, (__m512bh)_mm512_set1_epi32(qrow[d]));
+              odd[i] = _mm512_dpbf16_ps(odd[i], k_odd, (__m512bh)_mm512_set1_epi32(qrow[d + 1]));
+            }
+          }
+          // Online softmax of the eight rows (padding rows and rows before this tile see nothing).
+          alignas(64) float probs[8][16];
+          float correction[8];
+          int64_t visible_max = 0;
+          _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {
+            const int64_t r = rb + i;
+            const int64_t visible = std::max<int64_t>(0, std::min<int64_t>(n_keys, pos[r] - k0 + 1));
+            correction[i] = 1.f;
+            if (visible == 0) {
+              _mm512_store_ps(probs[i], _mm512_setzero_ps());
+              continue;
+            }
+            visible_max = std::max(visible_max, visible);
+            const __mmask16 valid = static_cast<__mmask16>((1u << visible) - 1u);
+            const __m512 sv = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), _mm512_set1_ps(fscale));
+            const float new_peak = std::max(peak[r], _mm512_mask_reduce_max_ps(valid, sv));
+            const __m512 shifted = _mm512_sub_ps(sv, _mm512_set1_ps(new_peak));
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(shifted));
+            if (new_peak != peak[r]) {
+              correction[i] = expf(peak[r] - new_peak);  // 0 on the first tile
+              total[r] *= correction[i];
+              peak[r] = new_peak;
+            }
+            total[r] += _mm512_reduce_add_ps(p);
+            _mm512_store_ps(probs[i], p);
+          }
+          // P x V, RP rows at a time with their outputs in registers: each V row is loaded once
+          // for all of them. Every index below is a compile-time constant after unrolling, so the
+          // accumulators never go through memory.
+          _Pragma("GCC unroll 4") for (int part = 0; part < 8; part += RP) {
+            __m512 ov[RP][AV];
+            _Pragma("GCC unroll 4") for (int i = 0; i < RP; ++i) {
+              const __m512 c = _mm512_set1_ps(correction[part + i]);
+              _Pragma("GCC unroll 8") for (int j = 0; j < AV; ++j)
+                ov[i][j] = _mm512_mul_ps(_mm512_loadu_ps(o.data() + (rb + part + i) * D + 16 * j), c);
+            }
+            for (int64_t n = 0; n < visible_max; ++n) {
+              __m512 vrow[AV];
+              _Pragma("GCC unroll 8") for (int j = 0; j < AV; ++j)
+                vrow[j] = _mm512_load_ps(vf + n * D + 16 * j);
+              _Pragma("GCC unroll 4") for (int i = 0; i < RP; ++i) {
+                const __m512 w = _mm512_set1_ps(probs[part + i][n]);
+                _Pragma("GCC unroll 8") for (int j = 0; j < AV; ++j)
+                  ov[i][j] = _mm512_fmadd_ps(w, vrow[j], ov[i][j]);
+              }
+            }
+            _Pragma("GCC unroll 4") for (int i = 0; i < RP; ++i)
+              _Pragma("GCC unroll 8") for (int j = 0; j < AV; ++j)
+                _mm512_storeu_ps(o.data() + (rb + part + i) * D + 16 * j, ov[i][j]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t j = task.first + r / group, g = r % group;
+        at::BFloat16* dst = op + ((starts[s] + j) * num_heads + h * group + g) * D;
+        const __m512 inv = _mm512_set1_ps(1.f / total[r]);
+        for (int i = 0; i < AV; ++i) {
+          const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(o.data() + r * D + 16 * i), inv);
+          const __m256bh packed = _mm512_cvtneps_pbh(normed);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * i), (__m256i)packed);
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
+                            torch::Tensor ctx_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [rows, heads, dim], cache [blocks, kv, bs, dim]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
+              "the prefill kernel takes bf16 queries and caches");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.size(2) % 16 == 0, "the prefill kernel needs blocks of a multiple of 16 rows");
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "the prefill kernel takes head sizes 64 and 128");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  auto out = torch::empty_like(q);
+  if (q.size(2) == 64)
+    prefill_bf16_avx512<64>(q, k_cache, v_cache, block_tables, q_starts.contiguous(), q_lens.contiguous(),
+                            ctx_lens.contiguous(), out, scale);
+  else
+    prefill_bf16_avx512<128>(q, k_cache, v_cache, block_tables, q_starts.contiguous(), q_lens.contiguous(),
+                             ctx_lens.contiguous(), out, scale);
+  return out;
+}
+
+bool has_prefill_kernel() { return true; }
 #else
 static bool decode_fast(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                         const torch::Tensor&, const torch::Tensor&, torch::Tensor&, double) {
   return false;
 }
+
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                            torch::Tensor, torch::Tensor, double) {
+  TORCH_CHECK(false, "the prefill kernel needs a compiler targeting AVX-512 BF16");
+  return q;
+}
+
+bool has_prefill_kernel() { return false; }
 #endif
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -376,9 +571,9 @@ def load_kernels():
 
             log.info("building jitney's CPU kernels (once per machine, about a minute)")
             module = load_inline(
-                name="jitney_cpu_kernels_v3",
+                name="jitney_cpu_kernels_v4",
                 cpp_sources=_SOURCE,
-                functions=["paged_decode", "rms_norm"],
+                functions=["paged_decode", "paged_prefill", "has_prefill_kernel", "rms_norm"],
                 # -fopenmp: at::parallel_for is a header template that is serial without it.
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                 extra_ldflags=["-fopenmp"],
