@@ -14,6 +14,10 @@ loop that serves every other shape and dtype.
 RMSNorm is here because in plain torch it is about ten small ops per call, and at batch 1 their
 dispatch overhead costs a tenth of a decode step; the kernel does it in one pass, with the
 reference's rounding (normalise in float32, round to the model dtype, then scale by the weight).
+SwiGLU's silu-and-multiply and the rotary embedding are single passes for the same reason (three
+and four torch ops, each a full pass over the activations of an 8,192-token prefill step); they
+too round every intermediate the torch ops would store (silu-and-multiply differs from them by one
+bf16 step in about 1 of 2,000 elements, where its exp tips a rounding; the rotation is exact).
 
 Compilation takes about a minute once per machine (cached by torch under
 ~/.cache/torch_extensions); if it fails, ``load_kernel`` returns None and the torch path is used.
@@ -136,10 +140,10 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
 #include <immintrin.h>
 #define JITNEY_AVX512_BF16 1
 
-// e^x for x <= 0, 16 lanes: 2^(x log2 e) split into an integer power (scalef) and a degree-6
-// polynomial on [-0.5, 0.5] (relative error about 2e-7). Lanes below -87 give about 1e-38.
-static inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+// e^x, 16 lanes: 2^(x log2 e) split into an integer power (scalef) and a degree-6 polynomial on
+// [-0.5, 0.5] (relative error about 2e-7). Inputs are clamped to [-87, 88]: finite results only.
+static inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
@@ -227,7 +231,7 @@ static void decode_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_ca
             const float tile_peak = _mm512_mask_reduce_max_ps(valid, sv);
             const float new_peak = std::max(peak[g], tile_peak);
             const __m512 shifted = _mm512_sub_ps(sv, _mm512_set1_ps(new_peak));
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(shifted));
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(shifted));
             if (new_peak != peak[g]) {
               const float correction = std::exp(peak[g] - new_peak);  // 0 on the first tile
               total[g] *= correction;
@@ -393,7 +397,7 @@ static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_c
             const __m512 sv = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), _mm512_set1_ps(fscale));
             const float new_peak = std::max(peak[r], _mm512_mask_reduce_max_ps(valid, sv));
             const __m512 shifted = _mm512_sub_ps(sv, _mm512_set1_ps(new_peak));
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(shifted));
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(shifted));
             if (new_peak != peak[r]) {
               correction[i] = expf(peak[r] - new_peak);  // 0 on the first tile
               total[r] *= correction[i];
@@ -528,6 +532,135 @@ static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, t
   });
 }
 
+// ---- Element-wise steps of a layer, each one pass instead of several torch ops -----------------
+// Both keep the reference's rounding: every intermediate that torch would store in the model
+// dtype is rounded to it here too, so bf16 results match the unfused ops (to the last bit, but for
+// the rare element where the last bit of exp tips a rounding).
+
+static inline float round_to(float x, float) { return x; }
+static inline float round_to(float x, at::BFloat16) {
+  return static_cast<float>(static_cast<at::BFloat16>(x));
+}
+static inline float round_to(float x, at::Half) { return static_cast<float>(static_cast<at::Half>(x)); }
+
+// silu(gate) * up for a fused [rows, 2 * inter] gate/up projection.
+template <typename T>
+static void silu_mul_scalar(const T* in, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in + r * 2 * inter;
+      const T* up = gate + inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float act = round_to(g / (1.f + std::exp(-g)), T(0));
+        out[r * inter + i] = static_cast<T>(act * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+#ifdef JITNEY_AVX512_BF16
+static inline __m512 round_bf16(__m512 x) {
+  const __m256i packed = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(packed), 16));
+}
+
+static void silu_mul_bf16(const at::BFloat16* in, at::BFloat16* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* gate = in + r * 2 * inter;
+      const at::BFloat16* up = gate + inter;
+      at::BFloat16* dst = out + r * inter;
+      int64_t i = 0;
+      for (; i + 16 <= inter; i += 16) {
+        const __m512 g = load_bf16_as_f32(gate + i);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+        const __m512 sig = _mm512_div_ps(g, denominator);
+        const __m512 prod = _mm512_mul_ps(round_bf16(sig), load_bf16_as_f32(up + i));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(prod));
+      }
+      for (; i < inter; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float act = round_to(g / (1.f + std::exp(-g)), at::BFloat16(0));
+        dst[i] = static_cast<at::BFloat16>(act * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+#endif
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up [rows, 2 * intermediate]");
+  gate_up = gate_up.contiguous();
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  switch (gate_up.scalar_type()) {
+    case at::kBFloat16:
+#ifdef JITNEY_AVX512_BF16
+      silu_mul_bf16(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
+#else
+      silu_mul_scalar(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
+#endif
+      break;
+    case at::kFloat:
+      silu_mul_scalar(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+      break;
+    case at::kHalf:
+      silu_mul_scalar(gate_up.data_ptr<at::Half>(), out.data_ptr<at::Half>(), rows, inter);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
+}
+
+// The half rotation of RoPE for x [rows, heads, dim] (rows may be strided, e.g. a slice of the
+// fused q/k/v projection) with per-row tables cos and signed_sin [rows, 1, dim] (sin with its
+// first half negated): out = round(x * cos) + swap_halves(x) * signed_sin, as the torch path.
+template <typename T>
+static void rotary_impl(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        torch::Tensor& out) {
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cp + r * dim;
+      const T* sn = sp + r * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* src = xp + r * row_stride + h * head_stride;
+        T* dst = op + (r * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          const float scaled = round_to(static_cast<float>(src[d]) * static_cast<float>(c[d]), T(0));
+          const float swapped = static_cast<float>(src[d < half ? d + half : d - half]);
+          dst[d] = static_cast<T>(scaled + swapped * static_cast<float>(sn[d]));
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "x [rows, heads, even dim], dims contiguous");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type(), "dtypes differ");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  TORCH_CHECK(cos.numel() == x.size(0) * x.size(2) && sin.numel() == cos.numel(), "tables [rows, 1, dim]");
+  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: rotary_impl<float>(x, cos, sin, out); break;
+    case at::kBFloat16: rotary_impl<at::BFloat16>(x, cos, sin, out); break;
+    case at::kHalf: rotary_impl<at::Half>(x, cos, sin, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
+}
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0),
               "x [rows, dim], weight [dim]");
@@ -571,9 +704,16 @@ def load_kernels():
 
             log.info("building jitney's CPU kernels (once per machine, about a minute)")
             module = load_inline(
-                name="jitney_cpu_kernels_v4",
+                name="jitney_cpu_kernels_v5",
                 cpp_sources=_SOURCE,
-                functions=["paged_decode", "paged_prefill", "has_prefill_kernel", "rms_norm"],
+                functions=[
+                    "paged_decode",
+                    "paged_prefill",
+                    "has_prefill_kernel",
+                    "rms_norm",
+                    "silu_mul",
+                    "rotary",
+                ],
                 # -fopenmp: at::parallel_for is a header template that is serial without it.
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                 extra_ldflags=["-fopenmp"],
@@ -596,6 +736,16 @@ def paged_decode(
 ) -> torch.Tensor:
     """Decode attention over the paged cache: q [seqs, heads, dim] -> [seqs, heads, dim]."""
     return _require().paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a fused [rows, 2 * intermediate] projection, rounded as torch rounds."""
+    return _require().silu_mul(gate_up)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``jitney.model.rope.apply_rotary`` in one pass, into a new contiguous [rows, heads, dim]."""
+    return _require().rotary(x, cos, signed_sin)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""The compiled element-wise kernels agree with the torch ops they replace, at the model dtypes:
+RMSNorm, SwiGLU's silu-and-multiply and the rotary embedding (strided input, odd widths)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jitney.model.rope import apply_rotary
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from jitney.model.cpu_kernels import load_kernels
+
+    built = load_kernels()
+    if built is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    return built
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("inter", [1536, 37], ids=["vector-width", "tail"])
+def test_silu_mul_matches_torch(kernels, dtype, inter):
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (4 * torch.randn(300, 2 * inter, generator=gen)).to(dtype)
+    expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    got = kernels.silu_mul(gate_up)
+    assert got.shape == expected.shape and got.dtype == dtype
+    if dtype is torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    else:
+        # The same roundings as torch: where exp's last bit tips silu's rounding (rarely), that one
+        # bf16 step of silu (relative 2^-7) carries into the product's own rounding.
+        step = expected.float().abs() * 2**-6
+        assert ((got.float() - expected.float()).abs() <= step).all()
+        assert (got != expected).float().mean() < 2e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rotary_matches_torch_on_a_strided_projection_slice(kernels, dtype):
+    gen = torch.Generator().manual_seed(1)
+    heads, dim = 5, 64
+    qkv = torch.randn(33, (heads + 2) * dim, generator=gen).to(dtype)
+    qk = qkv[:, : heads * dim].view(-1, heads, dim)  # rows strided by the whole projection
+    cos = torch.randn(33, 1, dim, generator=gen).to(dtype)
+    sin = torch.randn(33, 1, dim, generator=gen).to(dtype)
+    expected = apply_rotary(qk, cos, sin)
+    got = kernels.rotary(qk, cos, sin)
+    assert got.is_contiguous()
+    if dtype is torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rms_norm_matches_torch(kernels, dtype):
+    gen = torch.Generator().manual_seed(2)
+    x = (3 * torch.randn(40, 576, generator=gen)).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    expected = F.rms_norm(x, weight.shape, weight, 1e-5)
+    got = kernels.rms_norm(x, weight, 1e-5)
+    tol = 1e-5 if dtype is torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_bad_shapes_are_refused_with_a_message(kernels):
+    with pytest.raises(RuntimeError, match="gate_up"):
+        kernels.silu_mul(torch.zeros(3, 5))
+    with pytest.raises(RuntimeError, match="tables"):
+        kernels.rotary(torch.zeros(4, 2, 8), torch.zeros(3, 1, 8), torch.zeros(3, 1, 8))
