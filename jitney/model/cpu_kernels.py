@@ -193,7 +193,7 @@ static void decode_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_ca
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512> acc(group * AV);
     std::vector<float> peak(group), total(group);
-    alignas(64) float scores[16], probs[16 * 16];
+    alignas(64) float scores[16], probs[16 * 16], vf[16 * D];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
       const int64_t len = lens[s];
@@ -242,13 +242,20 @@ static void decode_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_ca
             total[g] += _mm512_reduce_add_ps(p);
             _mm512_store_ps(probs + 16 * g, p);
           }
-          for (int r = 0; r < rows; ++r) {
-            __m512 vrow[AV];
-            for (int i = 0; i < AV; ++i) vrow[i] = load_bf16_as_f32(vtile + r * D + 16 * i);
-            for (int64_t g = 0; g < group; ++g) {
+          // V: widened once into a float32 tile (it stays in L1), then each query head of the
+          // group accumulates over it with its output in registers.
+          for (int r = 0; r < rows; ++r)
+            _Pragma("GCC unroll 8") for (int i = 0; i < AV; ++i)
+              _mm512_store_ps(vf + r * D + 16 * i, load_bf16_as_f32(vtile + r * D + 16 * i));
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 ov[AV];
+            _Pragma("GCC unroll 8") for (int i = 0; i < AV; ++i) ov[i] = acc[g * AV + i];
+            for (int r = 0; r < rows; ++r) {
               const __m512 w = _mm512_set1_ps(probs[16 * g + r]);
-              for (int i = 0; i < AV; ++i) acc[g * AV + i] = _mm512_fmadd_ps(w, vrow[i], acc[g * AV + i]);
+              _Pragma("GCC unroll 8") for (int i = 0; i < AV; ++i)
+                ov[i] = _mm512_fmadd_ps(w, _mm512_load_ps(vf + r * D + 16 * i), ov[i]);
             }
+            _Pragma("GCC unroll 8") for (int i = 0; i < AV; ++i) acc[g * AV + i] = ov[i];
           }
         }
       }
@@ -704,7 +711,7 @@ def load_kernels():
 
             log.info("building jitney's CPU kernels (once per machine, about a minute)")
             module = load_inline(
-                name="jitney_cpu_kernels_v5",
+                name="jitney_cpu_kernels_v6",
                 cpp_sources=_SOURCE,
                 functions=[
                     "paged_decode",
