@@ -58,6 +58,10 @@ class StepRecord:
     context_tokens: int
     ms: float
     num_requests: int = 0
+    # perf_counter() at the step's start, and whether requests were left unfinished after it: the
+    # serving calibration measures the host time between a busy step's end and the next start.
+    started_s: float = 0.0
+    busy_after: bool = False
 
 
 class Engine:
@@ -178,6 +182,8 @@ class Engine:
         if self.step_listeners and output.chunks:
             # The whole step (schedule, forward, update, detokenize): what a request waits for.
             record = step_record(output, (time.perf_counter() - start) * 1e3)
+            record.started_s = start
+            record.busy_after = self.scheduler.has_unfinished()
             for listener in self.step_listeners:
                 listener(record)
         return outputs

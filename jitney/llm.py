@@ -42,7 +42,8 @@ class ProfileWriter:
     """Appends one JSON line per executed step: the simulator's ``profile`` cost model input."""
 
     def __init__(self, path: str | Path) -> None:
-        self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        # Line-buffered: a server stopped by a signal still leaves every finished step on disk.
+        self._file: IO[str] = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - closed in close()
 
     def __call__(self, record: StepRecord) -> None:
         self._file.write(
@@ -52,6 +53,9 @@ class ProfileWriter:
                     "decode_tokens": record.decode_tokens,
                     "context_tokens": record.context_tokens,
                     "ms": round(record.ms, 4),
+                    "num_requests": record.num_requests,
+                    "started_s": round(record.started_s, 6),
+                    "busy_after": record.busy_after,
                 }
             )
             + "\n"

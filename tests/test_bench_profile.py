@@ -8,7 +8,15 @@ import random
 
 import pytest
 
-from jitney.bench.calibrate import EngineSettings, ProfileGrid, fit_profile, profile_engine, split_rows
+from jitney.bench.calibrate import (
+    EngineSettings,
+    ProfileGrid,
+    fit_profile,
+    fit_serving_overhead,
+    profile_engine,
+    split_rows,
+    with_serving_overhead,
+)
 from jitney.cli import main
 from jitney.sim.costs import ProfileCost
 
@@ -33,6 +41,43 @@ def test_fit_recovers_a_known_plane_despite_interference_spikes():
     assert held.median_abs_pct_error < 3.0
     untrimmed, _ = fit_profile(rows, holdout=0.25, seed=1, trim=False)
     assert abs(untrimmed.intercept_ms - 2.0) > abs(cost.intercept_ms - 2.0)
+
+
+def _step_log(gaps_ms: list[float], decodes: list[int], busy: list[bool]) -> list[dict]:
+    """Steps of 5 ms each, separated by the given gaps."""
+    rows, t = [], 100.0
+    for gap, d, b in zip(gaps_ms, decodes, busy, strict=True):
+        rows.append({"started_s": t, "ms": 5.0, "decode_tokens": d, "busy_after": b})
+        t += (5.0 + gap) / 1e3
+    return rows
+
+
+def test_serving_overhead_fit_recovers_the_gap_and_skips_idle_and_descheduled_gaps():
+    rng = random.Random(4)
+    decodes = [rng.randint(0, 24) for _ in range(120)]
+    gaps = [0.8 + 0.12 * d + rng.uniform(-0.05, 0.05) for d in decodes]
+    busy = [True] * 120
+    for i in range(0, 120, 10):  # idle: the engine waited for the next arrival
+        busy[i], gaps[i] = False, rng.uniform(0.0, 400.0)
+    gaps[5] = 900.0  # a descheduled server process
+    over = fit_serving_overhead(_step_log(gaps, decodes, busy))
+    assert over.num_gaps == 120 - 12 - 1 - 1  # idle ones, the 900 ms one, and no gap after the last
+    assert over.intercept_ms == pytest.approx(0.8, abs=0.05)
+    assert over.ms_per_decode_token == pytest.approx(0.12, rel=0.05)
+    cost = ProfileCost(1.0, 0.5, 0.2, 0.001, fit=None)
+    served = with_serving_overhead(cost, over)
+    assert served.intercept_ms == pytest.approx(1.0 + over.intercept_ms)
+    assert served.ms_per_decode_token == pytest.approx(0.2 + over.ms_per_decode_token)
+    assert served.ms_per_prefill_token == 0.5 and served.name == "profile+serving"
+
+
+def test_serving_overhead_coefficients_stay_non_negative_and_need_gaps():
+    # Gaps that shrink with the batch would give a negative per-token cost: a constant instead.
+    decodes = list(range(0, 40, 2))
+    over = fit_serving_overhead(_step_log([3.0 - 0.05 * d for d in decodes], decodes, [True] * 20))
+    assert over.ms_per_decode_token == 0.0 and over.intercept_ms == pytest.approx(2.05, abs=0.01)
+    with pytest.raises(ValueError, match="need at least 2"):
+        fit_serving_overhead(_step_log([1.0, 1.0], [1, 2], [False, False]))
 
 
 def test_holdout_split_is_disjoint_and_seeded():
@@ -113,8 +158,16 @@ def test_cli_profiles_fits_and_compares_a_served_run_with_its_simulation(tiny_ch
         ]
     )
     text = capsys.readouterr().out
-    assert rc == 0 and "held-out" in text and "simulated vs measured" in text
+    assert rc == 0 and "held-out" in text and "serving overhead:" in text
+    assert "headline, offline fit" in text and "headline, + serving overhead" in text
     body = json.loads(out.read_text())
+    # The overhead came from the training run's own step log, written by `jitney serve --step-log`.
+    steps = [json.loads(line) for line in (tmp_path / "p.serve_steps.jsonl").read_text().splitlines()]
+    assert steps and all({"started_s", "busy_after", "num_requests"} <= set(s) for s in steps)
+    assert sum(s["decode_tokens"] for s in steps) > 0
+    assert body["serving_overhead"]["num_gaps"] >= 2
+    overhead = body["serving_overhead"]
+    assert overhead["intercept_ms"] >= 0 and overhead["ms_per_decode_token"] >= 0
     sim, real = body["validation"]["simulated"], body["validation"]["measured"]
     assert sim["completed"] == real["completed"] == 6
     assert sim["total_output_tokens"] == real["total_output_tokens"]

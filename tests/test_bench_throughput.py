@@ -8,7 +8,7 @@ import json
 import pytest
 
 from jitney.bench.datasets import LengthDist
-from jitney.bench.throughput import EngineRun, ThroughputConfig, build_workload, format_table
+from jitney.bench.throughput import EngineRun, ThroughputConfig, build_workload, format_table, median_run
 from jitney.cli import main
 
 
@@ -85,3 +85,15 @@ def test_table_shows_failures_and_ratios():
     table = format_table(runs)
     assert "| hf-generate | 12.5 | 37.5 | 4.00 | 200 | x0.50 | x0.50 |" in table
     assert "failed: exit 1: boom" in table
+
+
+def test_repeated_rounds_report_each_engines_median_run_and_its_range():
+    def run(wall: float) -> EngineRun:
+        return EngineRun("jitney-chunked", True, wall_s=wall, input_tokens=100, output_tokens=60)
+
+    rounds = [run(3.0), run(2.0), run(6.0)]  # 20, 30 and 10 output tok/s
+    median = median_run(rounds)
+    assert median.wall_s == 3.0 and median.round_output_tps == [20.0, 30.0, 10.0]
+    assert "| jitney-chunked | 20.0 (10.0-30.0) |" in format_table([median])
+    broken = EngineRun("jitney-chunked", False, error="exit 1: boom")
+    assert median_run([run(3.0), broken]) is broken

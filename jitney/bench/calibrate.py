@@ -4,9 +4,13 @@
    mixed with an arriving prompt) on the real engine, timing every whole step (schedule, execute,
    update: what the virtual clock must advance by), and write them as JSON lines.
 2. Fit the simulator's ``profile`` cost model on most steps; report its error on held-out ones.
-3. Validate end to end: the same traffic through a real ``jitney serve`` process (measured by the
-   load generator) and through the simulator with the fitted model; relative error of mean TTFT,
-   p95 TPOT and throughput.
+3. Serving overhead: a first served run (its own traffic) logs every engine step with its start
+   time; the host time between a busy step's end and the next step's start (streaming the step's
+   tokens, HTTP, the event loop holding the GIL) is fitted as ``a + b * decode_tokens`` and added
+   to the profile: the offline grid cannot see it.
+4. Validate end to end: other traffic through a real ``jitney serve`` process (measured by the
+   load generator) and through the simulator, with the offline fit and with the fit plus the
+   serving overhead; relative error of mean TTFT, p95 TPOT and throughput.
 """
 
 from __future__ import annotations
@@ -254,6 +258,70 @@ def fit_profile(rows: list[dict], holdout: float = 0.25, seed: int = 0, trim: bo
     return cost, err
 
 
+@dataclass(frozen=True)
+class ServingOverhead:
+    """Host time between engine steps while serving: ``intercept_ms + ms_per_decode_token * d``
+    after a step that decoded ``d`` tokens."""
+
+    intercept_ms: float
+    ms_per_decode_token: float
+    num_gaps: int
+    median_gap_ms: float
+
+    def describe(self) -> str:
+        return (
+            f"serving overhead: {self.intercept_ms:.3g} ms + {self.ms_per_decode_token:.3g} ms/decode token "
+            f"between steps (from {self.num_gaps} gaps, median {self.median_gap_ms:.2f} ms)"
+        )
+
+
+def read_step_log(path: str | Path) -> list[dict]:
+    """The JSON lines ``jitney serve --step-log`` wrote."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows
+
+
+def fit_serving_overhead(rows: list[dict], max_gap_ms: float = 250.0) -> ServingOverhead:
+    """Least squares of the gap after each step that left work pending (the engine went straight
+    on, so the gap is host work, not waiting for an arrival) on that step's decode tokens; both
+    coefficients kept >= 0. Gaps above ``max_gap_ms`` are a descheduled process, not overhead."""
+    gaps, decodes = [], []
+    for before, after in zip(rows, rows[1:], strict=False):
+        if not before.get("busy_after"):
+            continue
+        gap = (after["started_s"] - before["started_s"]) * 1e3 - before["ms"]
+        if 0 <= gap <= max_gap_ms:
+            gaps.append(gap)
+            decodes.append(before["decode_tokens"])
+    if len(gaps) < 2:
+        raise ValueError(f"the step log has {len(gaps)} gaps between busy steps; need at least 2")
+    y, d = np.array(gaps), np.array(decodes, dtype=np.float64)
+    if np.ptp(d) > 0:
+        slope, intercept = np.polyfit(d, y, 1)
+        if slope < 0:
+            slope, intercept = 0.0, float(y.mean())
+        elif intercept < 0:
+            slope, intercept = float((d * y).sum() / (d * d).sum()), 0.0
+    else:
+        slope, intercept = 0.0, float(y.mean())
+    return ServingOverhead(float(intercept), float(slope), len(gaps), float(np.median(y)))
+
+
+def with_serving_overhead(cost, overhead: ServingOverhead):
+    """The profile cost model with the serving overhead added to every step."""
+    from dataclasses import replace as dc_replace
+
+    return dc_replace(
+        cost,
+        intercept_ms=cost.intercept_ms + overhead.intercept_ms,
+        ms_per_decode_token=cost.ms_per_decode_token + overhead.ms_per_decode_token,
+        name="profile+serving",
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -261,9 +329,14 @@ def _free_port() -> int:
 
 
 @contextmanager
-def served(settings: EngineSettings, timeout_s: float = 300.0, log_path: Path | None = None) -> Iterator[str]:
+def served(
+    settings: EngineSettings,
+    timeout_s: float = 300.0,
+    log_path: Path | None = None,
+    step_log: Path | None = None,
+) -> Iterator[str]:
     """``jitney serve`` in its own process on a free 127.0.0.1 port; yields its base URL and
-    stops it (SIGTERM, then kill) on exit."""
+    stops it (SIGTERM, then kill) on exit. ``step_log``: where the server logs its steps."""
     port = _free_port()
     cmd = [
         sys.executable,
@@ -277,6 +350,7 @@ def served(settings: EngineSettings, timeout_s: float = 300.0, log_path: Path | 
         str(port),
         "--log-level",
         "warning",
+        *(["--step-log", str(step_log)] if step_log is not None else []),
     ]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
     env = dict(os.environ)
@@ -331,6 +405,37 @@ class Validation:
     errors: dict[str, float | None]
 
 
+def serve_measured(
+    settings: EngineSettings,
+    requests: list[BenchRequest],
+    *,
+    log_path: Path | None = None,
+    step_log: Path | None = None,
+    show_progress: bool = False,
+) -> dict:
+    """A ``bench serve`` run of the timed requests against a fresh ``jitney serve``: its summary."""
+    from jitney.bench.client import ApiTarget, discover_model
+    from jitney.bench.serve import LoadConfig, run_load
+
+    if any(r.arrival is None for r in requests):
+        raise ValueError("a measured serving run needs requests with arrival times")
+    if step_log is not None:
+        Path(step_log).unlink(missing_ok=True)
+    with served(settings, log_path=log_path, step_log=step_log) as url:
+        target = ApiTarget(url, discover_model(url))
+        result = run_load(target, requests, LoadConfig(num_warmups=2, show_progress=show_progress))
+    return result.summary().to_dict()
+
+
+def calibrate_serving(
+    settings: EngineSettings, requests: list[BenchRequest], step_log: Path
+) -> ServingOverhead:
+    """Serve ``requests`` (training traffic, not the validation's) and fit the host time between
+    steps from the server's own step log."""
+    serve_measured(settings, requests, step_log=step_log)
+    return fit_serving_overhead(read_step_log(step_log))
+
+
 def validate(
     settings: EngineSettings,
     requests: list[BenchRequest],
@@ -338,16 +443,43 @@ def validate(
     *,
     log_path: Path | None = None,
     show_progress: bool = False,
+    measured: dict | None = None,
 ) -> Validation:
-    """Measured ``bench serve`` run vs simulated run of the same timed requests."""
-    from jitney.bench.client import ApiTarget, discover_model
-    from jitney.bench.serve import LoadConfig, run_load
-
-    if any(r.arrival is None for r in requests):
-        raise ValueError("validation needs requests with arrival times")
-    with served(settings, log_path=log_path) as url:
-        target = ApiTarget(url, discover_model(url))
-        result = run_load(target, requests, LoadConfig(num_warmups=2, show_progress=show_progress))
-    measured = result.summary().to_dict()
+    """Measured ``bench serve`` run (or the given ``measured`` summary of one) vs simulated run of
+    the same timed requests."""
+    if measured is None:
+        measured = serve_measured(settings, requests, log_path=log_path, show_progress=show_progress)
     simulated = simulate_requests(settings, requests, cost).summary().to_dict()
     return Validation(measured, simulated, headline_errors(simulated, measured))
+
+
+@dataclass
+class CalibrationReport:
+    """The offline fit alone and the fit plus the serving overhead, against one measured run."""
+
+    overhead: ServingOverhead
+    served_cost: object  # the ProfileCost with the overhead added
+    offline: Validation
+    with_overhead: Validation
+
+
+def calibrate_and_validate(
+    settings: EngineSettings,
+    training: list[BenchRequest],
+    validation: list[BenchRequest],
+    cost,
+    step_log: Path,
+    *,
+    show_progress: bool = False,
+) -> CalibrationReport:
+    """Fit the serving overhead on a served run of ``training``, then serve ``validation`` once
+    and compare it with simulations under the offline fit and under the fit plus the overhead."""
+    overhead = calibrate_serving(settings, training, step_log)
+    served_cost = with_serving_overhead(cost, overhead)
+    measured = serve_measured(settings, validation, show_progress=show_progress)
+    return CalibrationReport(
+        overhead,
+        served_cost,
+        validate(settings, validation, cost, measured=measured),
+        validate(settings, validation, served_cost, measured=measured),
+    )

@@ -36,6 +36,7 @@ class SuiteConfig:
     tp_prompts: int = 16
     tp_input: str = "lognormal:128,0.6,16,512"
     tp_output: str = "lognormal:32,0.6,16,96"
+    tp_repeats: int = 3
     serve_prompts: int = 24
     serve_rate: float = 0.5
     serve_input: str = "lognormal:128,0.6,16,512"
@@ -185,6 +186,7 @@ def throughput_section(cfg: SuiteConfig) -> str:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         hf_batch_size=cfg.max_num_seqs,
         kv_cache_mib=cfg.kv_cache_mib,
+        repeats=cfg.tp_repeats,
         cache_dir=cfg.cache_dir,
     )
     model_dir, runs = run_all(tcfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
@@ -198,9 +200,11 @@ def throughput_section(cfg: SuiteConfig) -> str:
             f"--output-len {cfg.tp_output} --seed {cfg.seed} --dtype {cfg.dtype} "
             f"--max-num-seqs {cfg.max_num_seqs} "
             f"--max-num-batched-tokens {cfg.max_num_batched_tokens} --hf-batch-size {cfg.max_num_seqs} "
-            f"--kv-cache-mib {cfg.kv_cache_mib}` "
+            f"--kv-cache-mib {cfg.kv_cache_mib} --repeats {cfg.tp_repeats}` "
             f"on {model_dir.name} ({tokens}; outputs forced, greedy). Each engine runs in its own process; "
-            "peak RSS includes the model and each engine's KV pool; one run each.",
+            "peak RSS includes the model and each engine's KV pool. Engines alternate in "
+            f"{cfg.tp_repeats} rounds; each row is the engine's median run (range of output tok/s "
+            "in brackets).",
             "",
             format_table(runs),
         ]
@@ -298,14 +302,28 @@ def calibration_section(cfg: SuiteConfig) -> str:
     )
     offsets = arrival_offsets(len(reqs), cfg.serve_rate, seed=cfg.seed + 1)
     reqs = [replace(r, arrival=t) for r, t in zip(reqs, offsets, strict=True)]
-    val = cal.validate(settings, reqs, cost)
-    rows = ["| figure | simulated | measured | rel. error |", "|---|---:|---:|---:|"]
+    # Training traffic for the serving overhead: same distributions, another seed.
+    train = random_requests(
+        cfg.serve_prompts,
+        LengthDist.parse(cfg.serve_input),
+        LengthDist.parse(cfg.serve_output),
+        seed=cfg.seed + 2,
+        tokens=TokenSpace(vocab_size=profiled.vocab_size),
+    )
+    train_offsets = arrival_offsets(len(train), cfg.serve_rate, seed=cfg.seed + 2)
+    train = [replace(r, arrival=t) for r, t in zip(train, train_offsets, strict=True)]
+    report = cal.calibrate_and_validate(settings, train, reqs, cost, cfg.cache_dir / "serve_steps.jsonl")
+    rows = [
+        "| figure | measured | simulated, offline fit | rel. error "
+        "| simulated, + serving overhead | rel. error |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name in HEADLINE:
-        err = val.errors[name]
-        rows.append(
-            f"| {name} | {val.simulated[name]:.2f} | {val.measured[name]:.2f} | "
-            f"{'-' if err is None else f'{err:+.1%}'} |"
-        )
+        cells = [name, f"{report.offline.measured[name]:.2f}"]
+        for val in (report.offline, report.with_overhead):
+            err = val.errors[name]
+            cells += [f"{val.simulated[name]:.2f}", "-" if err is None else f"{err:+.1%}"]
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(
         [
             "## Calibration: profile fit and simulated vs measured",
@@ -323,9 +341,12 @@ def calibration_section(cfg: SuiteConfig) -> str:
             f"- fit: {cost.describe()}",
             f"- held-out {held.num_steps} steps: median abs error {held.median_abs_pct_error:.1f}%, "
             f"mean {held.mean_abs_pct_error:.1f}%, total time {held.total_time_error:+.1%}.",
+            f"- {report.overhead.describe()}: fitted on a served run of {len(train)} other requests "
+            "(same distributions and rate, seed + 1), from the server's `--step-log`.",
             "",
             f"The same {len(reqs)} requests (Poisson {cfg.serve_rate:g} req/s) served by `jitney serve` and "
-            "measured by `bench serve`, and simulated with the fitted model (target: within 10%):",
+            "measured by `bench serve`, and simulated with the offline fit alone and with the serving "
+            "overhead added (target: within 10%):",
             "",
             *rows,
         ]

@@ -37,6 +37,7 @@ class ThroughputConfig:
     hf_batch_size: int = 32
     threads: int | None = None
     kv_cache_mib: int | None = None  # jitney's KV pool (default: the engine's own sizing)
+    repeats: int = 1  # rounds of every engine, alternating; each engine's median run is reported
     timeout_s: float = 3600.0
     cache_dir: Path = Path(".cache/jitney-bench")
 
@@ -50,7 +51,7 @@ class ThroughputConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_mib is not None and self.kv_cache_mib < 1:
             raise ValueError(f"kv_cache_mib must be >= 1, got {self.kv_cache_mib}")
-        for name in ("num_prompts", "max_num_seqs", "max_num_batched_tokens", "hf_batch_size"):
+        for name in ("num_prompts", "max_num_seqs", "max_num_batched_tokens", "hf_batch_size", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -66,6 +67,8 @@ class EngineRun:
     peak_rss_mib: float = 0.0
     load_s: float = 0.0
     error: str = ""
+    # Output tok/s of every round when the engine ran several times (this run is their median).
+    round_output_tps: list[float] = field(default_factory=list)
 
     @property
     def output_tps(self) -> float:
@@ -146,20 +149,36 @@ def run_all(cfg: ThroughputConfig, progress=print) -> tuple[Path, list[EngineRun
         "threads": cfg.threads,
         "kv_cache_memory": cfg.kv_cache_mib * 2**20 if cfg.kv_cache_mib else None,
     }
-    runs = []
+    rounds: dict[str, list[EngineRun]] = {engine: [] for engine in cfg.engines}
     with tempfile.TemporaryDirectory(prefix="jitney-bench-") as tmp:
-        for engine in cfg.engines:
-            run = run_engine(engine, common, Path(tmp), cfg.timeout_s)
-            progress(
-                f"{engine}: "
-                + (
-                    f"{run.output_tps:.1f} output tok/s in {run.wall_s:.1f} s"
-                    if run.ok
-                    else f"failed ({run.error})"
+        # Engines alternate within each round, so a slow spell on the shared machine hits them
+        # alike instead of all the runs of one engine.
+        for round_no in range(cfg.repeats):
+            for engine in cfg.engines:
+                run = run_engine(engine, common, Path(tmp), cfg.timeout_s)
+                label = f"{engine}" + (f" (round {round_no + 1}/{cfg.repeats})" if cfg.repeats > 1 else "")
+                progress(
+                    f"{label}: "
+                    + (
+                        f"{run.output_tps:.1f} output tok/s in {run.wall_s:.1f} s"
+                        if run.ok
+                        else f"failed ({run.error})"
+                    )
                 )
-            )
-            runs.append(run)
-    return model_dir, runs
+                rounds[engine].append(run)
+    return model_dir, [median_run(rounds[engine]) for engine in cfg.engines]
+
+
+def median_run(runs: list[EngineRun]) -> EngineRun:
+    """The run with the median output tok/s (the lower middle one for an even count), carrying
+    every round's figure; a failure if any round failed."""
+    failed = next((r for r in runs if not r.ok), None)
+    if failed is not None:
+        return failed
+    ordered = sorted(runs, key=lambda r: r.output_tps)
+    middle = ordered[(len(ordered) - 1) // 2]
+    middle.round_output_tps = [r.output_tps for r in runs]
+    return middle
 
 
 def format_table(runs: list[EngineRun]) -> str:
@@ -176,8 +195,11 @@ def format_table(runs: list[EngineRun]) -> str:
             continue
         tps_ratio = f"x{r.output_tps / ref.output_tps:.2f}" if ref and ref.output_tps else "-"
         mem_ratio = f"x{r.peak_rss_mib / ref.peak_rss_mib:.2f}" if ref and ref.peak_rss_mib else "-"
+        spread = ""
+        if len(r.round_output_tps) > 1:
+            spread = f" ({min(r.round_output_tps):.1f}-{max(r.round_output_tps):.1f})"
         lines.append(
-            f"| {r.engine} | {r.output_tps:.1f} | {r.total_tps:.1f} | {r.wall_s:.2f} | "
+            f"| {r.engine} | {r.output_tps:.1f}{spread} | {r.total_tps:.1f} | {r.wall_s:.2f} | "
             f"{r.peak_rss_mib:.0f} | {tps_ratio} | {mem_ratio} |"
         )
     return "\n".join(lines)

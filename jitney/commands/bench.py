@@ -321,6 +321,9 @@ def _register_throughput(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-cache-mib", type=_positive_int, help="jitney's KV pool size (default: its own sizing)"
     )
+    p.add_argument(
+        "--repeats", type=_positive_int, default=1, help="rounds of all engines, alternating; medians shown"
+    )
     p.add_argument("--timeout", type=_positive_float, default=3600.0, help="per engine, seconds")
     p.add_argument(
         "--cache-dir", default=".cache/jitney-bench", help="where a GGUF model is dequantized once"
@@ -350,6 +353,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
         hf_batch_size=args.hf_batch_size,
         threads=args.threads,
         kv_cache_mib=args.kv_cache_mib,
+        repeats=args.repeats,
         timeout_s=args.timeout,
         cache_dir=Path(args.cache_dir),
     )
@@ -398,7 +402,9 @@ def _register_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=_positive_int, default=2, help="times each grid cell is run")
     p.add_argument("--holdout", type=float, default=0.25, help="share of steps held out of the fit")
     p.add_argument("--out", default="profile.jsonl", help="JSON Lines profile to write")
-    p.add_argument("--no-validate", action="store_true", help="skip the measured-vs-simulated serving run")
+    p.add_argument(
+        "--no-validate", action="store_true", help="skip the serving runs (overhead fit and validation)"
+    )
     p.add_argument("--num-prompts", type=_positive_int, default=40, help="validation requests")
     p.add_argument("--request-rate", type=_positive_float, default=1.0, help="validation Poisson rate, req/s")
     p.add_argument("--input-len", default="lognormal:128,0.6,16,512")
@@ -471,20 +477,37 @@ def _run_profile(args: argparse.Namespace) -> int:
         )
         offsets = arrival_offsets(len(reqs), args.request_rate, seed=args.seed)
         reqs = [replace(r, arrival=t) for r, t in zip(reqs, offsets, strict=True)]
-        val = cal.validate(settings, reqs, cost)
+        # The serving overhead is fitted on other traffic: same distributions and rate, next seed.
+        train = random_requests(
+            args.num_prompts,
+            input_len,
+            output_len,
+            seed=args.seed + 1,
+            tokens=TokenSpace(vocab_size=vocab, first_id=min(10, vocab - 1)),
+        )
+        train_offsets = arrival_offsets(len(train), args.request_rate, seed=args.seed + 1)
+        train = [replace(r, arrival=t) for r, t in zip(train, train_offsets, strict=True)]
+        step_log = Path(args.out).with_suffix(".serve_steps.jsonl")
+        report = cal.calibrate_and_validate(settings, train, reqs, cost, step_log)
+        print(f"\n{report.overhead.describe()} (training run's step log: {step_log})")
         print(
             f"\nsame traffic ({len(reqs)} requests, Poisson {args.request_rate:g} req/s), "
-            "simulated vs measured:\n"
+            "simulated (offline fit + serving overhead) vs measured:\n"
         )
+        val = report.with_overhead
         print(format_compare(compare(val.simulated, val.measured, DEFAULT_FIELDS), "simulated", "measured"))
-        print(
-            "\nheadline: "
-            + ", ".join(f"{k} {v:+.1%}" if v is not None else f"{k} -" for k, v in val.errors.items())
-        )
+        for label, v in (("offline fit", report.offline), ("+ serving overhead", report.with_overhead)):
+            print(
+                f"\nheadline, {label}: "
+                + ", ".join(f"{k} {e:+.1%}" if e is not None else f"{k} -" for k, e in v.errors.items())
+            )
+        body["serving_overhead"] = vars(report.overhead)
         body["validation"] = {
             "simulated": val.simulated,
+            "simulated_offline_fit": report.offline.simulated,
             "measured": val.measured,
             "errors": val.errors,
+            "errors_offline_fit": report.offline.errors,
             "num_prompts": len(reqs),
             "request_rate": args.request_rate,
         }

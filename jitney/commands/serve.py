@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 
 from jitney.cli import CliError
 
@@ -40,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: by CPU)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--step-log", default=None, metavar="FILE",
+                   help="append one JSON line per engine step (shape, ms, start time): a profile for the "
+                        "simulator and the serving calibration of `jitney bench profile`")
     p.set_defaults(func=run)
 
 
@@ -52,6 +56,10 @@ def _check(args: argparse.Namespace) -> None:
         raise CliError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key must not be empty")
+    if args.step_log is not None:
+        parent = Path(args.step_log).resolve().parent
+        if not parent.is_dir():
+            raise CliError(f"--step-log: directory {parent} does not exist")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             dtype=args.dtype,
             device=args.device,
+            profile_path=args.step_log,
         )
 
     try:
