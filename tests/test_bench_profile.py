@@ -161,6 +161,7 @@ def test_cli_profiles_fits_and_compares_a_served_run_with_its_simulation(tiny_ch
     text = capsys.readouterr().out
     assert rc == 0 and "held-out" in text and "serving overhead:" in text
     assert "headline, offline fit" in text and "headline, + serving overhead" in text
+    assert "headline, served-steps fit + serving overhead" in text
     body = json.loads(out.read_text())
     # The overhead came from the training run's own step log, written by `jitney serve --step-log`.
     steps = [json.loads(line) for line in (tmp_path / "p.serve_steps.jsonl").read_text().splitlines()]

@@ -429,11 +429,12 @@ def serve_measured(
 
 def calibrate_serving(
     settings: EngineSettings, requests: list[BenchRequest], step_log: Path
-) -> ServingOverhead:
-    """Serve ``requests`` (training traffic, not the validation's) and fit the host time between
-    steps from the server's own step log."""
+) -> tuple[ServingOverhead, list[dict]]:
+    """Serve ``requests`` (training traffic, not the validation's); fit the host time between
+    steps from the server's own step log. Returns the fit and the logged steps."""
     serve_measured(settings, requests, step_log=step_log)
-    return fit_serving_overhead(read_step_log(step_log))
+    rows = read_step_log(step_log)
+    return fit_serving_overhead(rows), rows
 
 
 def validate(
@@ -455,12 +456,16 @@ def validate(
 
 @dataclass
 class CalibrationReport:
-    """The offline fit alone and the fit plus the serving overhead, against one measured run."""
+    """Three cost models against one measured run: the offline grid fit; that fit plus the serving
+    overhead; and a fit on the served training run's own steps plus the overhead (the steps as
+    they run inside the server, next to its HTTP work and the load generator on the same cores)."""
 
     overhead: ServingOverhead
-    served_cost: object  # the ProfileCost with the overhead added
+    served_fit: object  # ProfileCost fitted on the training run's logged steps
+    served_held_out: HeldOutError
     offline: Validation
     with_overhead: Validation
+    served: Validation
 
 
 def calibrate_and_validate(
@@ -470,16 +475,19 @@ def calibrate_and_validate(
     cost,
     step_log: Path,
     *,
+    seed: int = 0,
     show_progress: bool = False,
 ) -> CalibrationReport:
-    """Fit the serving overhead on a served run of ``training``, then serve ``validation`` once
-    and compare it with simulations under the offline fit and under the fit plus the overhead."""
-    overhead = calibrate_serving(settings, training, step_log)
-    served_cost = with_serving_overhead(cost, overhead)
+    """Serve ``training`` with a step log (fit the overhead and the served-steps profile), then
+    serve ``validation`` once and compare it with the simulations under the three models."""
+    overhead, served_rows = calibrate_serving(settings, training, step_log)
+    served_fit, served_held = fit_profile(served_rows, 0.25, seed)
     measured = serve_measured(settings, validation, show_progress=show_progress)
     return CalibrationReport(
         overhead,
-        served_cost,
+        served_fit,
+        served_held,
         validate(settings, validation, cost, measured=measured),
-        validate(settings, validation, served_cost, measured=measured),
+        validate(settings, validation, with_serving_overhead(cost, overhead), measured=measured),
+        validate(settings, validation, with_serving_overhead(served_fit, overhead), measured=measured),
     )

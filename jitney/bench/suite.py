@@ -312,18 +312,25 @@ def calibration_section(cfg: SuiteConfig) -> str:
     )
     train_offsets = arrival_offsets(len(train), cfg.serve_rate, seed=cfg.seed + 2)
     train = [replace(r, arrival=t) for r, t in zip(train, train_offsets, strict=True)]
-    report = cal.calibrate_and_validate(settings, train, reqs, cost, cfg.cache_dir / "serve_steps.jsonl")
+    report = cal.calibrate_and_validate(
+        settings, train, reqs, cost, cfg.cache_dir / "serve_steps.jsonl", seed=cfg.seed
+    )
+    models = (
+        ("offline grid fit", report.offline),
+        ("grid fit + serving overhead", report.with_overhead),
+        ("served-steps fit + serving overhead", report.served),
+    )
     rows = [
-        "| figure | measured | simulated, offline fit | rel. error "
-        "| simulated, + serving overhead | rel. error |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| figure | measured | " + " | ".join(f"{label} | rel. error" for label, _ in models) + " |",
+        "|---|---:|" + "---:|---:|" * len(models),
     ]
     for name in HEADLINE:
         cells = [name, f"{report.offline.measured[name]:.2f}"]
-        for val in (report.offline, report.with_overhead):
+        for _, val in models:
             err = val.errors[name]
             cells += [f"{val.simulated[name]:.2f}", "-" if err is None else f"{err:+.1%}"]
         rows.append("| " + " | ".join(cells) + " |")
+    sheld = report.served_held_out
     return "\n".join(
         [
             "## Calibration: profile fit and simulated vs measured",
@@ -336,17 +343,20 @@ def calibration_section(cfg: SuiteConfig) -> str:
             f"--input-len {cfg.serve_input} --output-len {cfg.serve_output} --seed {cfg.seed + 1} "
             f"--threads {cfg.calibration_threads}`",
             "",
-            f"- {len(profiled.rows)} engine steps timed whole (schedule + execute + update); "
+            f"- grid: {len(profiled.rows)} engine steps timed whole (schedule + execute + update); "
             f"{held.num_trimmed} interference outliers trimmed from the fit.",
-            f"- fit: {cost.describe()}",
-            f"- held-out {held.num_steps} steps: median abs error {held.median_abs_pct_error:.1f}%, "
+            f"- grid fit: {cost.describe()}",
+            f"- grid held-out {held.num_steps} steps: median abs error {held.median_abs_pct_error:.1f}%, "
             f"mean {held.mean_abs_pct_error:.1f}%, total time {held.total_time_error:+.1%}.",
-            f"- {report.overhead.describe()}: fitted on a served run of {len(train)} other requests "
-            "(same distributions and rate, seed + 1), from the server's `--step-log`.",
+            f"- training run: {len(train)} other requests (same distributions and rate, seed + 1) served "
+            "with `--step-log`.",
+            f"- {report.overhead.describe()}.",
+            f"- served-steps fit: {report.served_fit.describe()}; held-out {sheld.num_steps} steps: "
+            f"median abs error {sheld.median_abs_pct_error:.1f}%, total time {sheld.total_time_error:+.1%}.",
             "",
-            f"The same {len(reqs)} requests (Poisson {cfg.serve_rate:g} req/s) served by `jitney serve` and "
-            "measured by `bench serve`, and simulated with the offline fit alone and with the serving "
-            "overhead added (target: within 10%):",
+            f"The validation traffic, {len(reqs)} requests (Poisson {cfg.serve_rate:g} req/s), served by "
+            "`jitney serve` and measured by `bench serve`, and simulated under each model "
+            "(target: within 10%):",
             "",
             *rows,
         ]

@@ -488,26 +488,35 @@ def _run_profile(args: argparse.Namespace) -> int:
         train_offsets = arrival_offsets(len(train), args.request_rate, seed=args.seed + 1)
         train = [replace(r, arrival=t) for r, t in zip(train, train_offsets, strict=True)]
         step_log = Path(args.out).with_suffix(".serve_steps.jsonl")
-        report = cal.calibrate_and_validate(settings, train, reqs, cost, step_log)
+        report = cal.calibrate_and_validate(settings, train, reqs, cost, step_log, seed=args.seed)
         print(f"\n{report.overhead.describe()} (training run's step log: {step_log})")
+        print(f"served-steps fit: {report.served_fit.describe()}")
         print(
             f"\nsame traffic ({len(reqs)} requests, Poisson {args.request_rate:g} req/s), "
-            "simulated (offline fit + serving overhead) vs measured:\n"
+            "simulated (served-steps fit + serving overhead) vs measured:\n"
         )
-        val = report.with_overhead
+        val = report.served
         print(format_compare(compare(val.simulated, val.measured, DEFAULT_FIELDS), "simulated", "measured"))
-        for label, v in (("offline fit", report.offline), ("+ serving overhead", report.with_overhead)):
+        models = (
+            ("offline fit", report.offline),
+            ("+ serving overhead", report.with_overhead),
+            ("served-steps fit + serving overhead", report.served),
+        )
+        for label, v in models:
             print(
                 f"\nheadline, {label}: "
                 + ", ".join(f"{k} {e:+.1%}" if e is not None else f"{k} -" for k, e in v.errors.items())
             )
         body["serving_overhead"] = vars(report.overhead)
+        body["served_fit"] = report.served_fit.describe()
         body["validation"] = {
             "simulated": val.simulated,
             "simulated_offline_fit": report.offline.simulated,
+            "simulated_offline_fit_with_overhead": report.with_overhead.simulated,
             "measured": val.measured,
             "errors": val.errors,
             "errors_offline_fit": report.offline.errors,
+            "errors_offline_fit_with_overhead": report.with_overhead.errors,
             "num_prompts": len(reqs),
             "request_rate": args.request_rate,
         }
