@@ -73,3 +73,42 @@ def test_bad_shapes_are_refused_with_a_message(kernels):
         kernels.silu_mul(torch.zeros(3, 5))
     with pytest.raises(RuntimeError, match="tables"):
         kernels.rotary(torch.zeros(4, 2, 8), torch.zeros(3, 1, 8), torch.zeros(3, 1, 8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_add_rms_norm_is_the_add_then_the_norm(kernels, dtype):
+    gen = torch.Generator().manual_seed(5)
+    x = (2 * torch.randn(17, 576, generator=gen)).to(dtype)
+    residual = (2 * torch.randn(17, 576, generator=gen)).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    expected_sum = x + residual
+    expected = kernels.rms_norm(expected_sum, weight, 1e-6)
+    updated = residual.clone()
+    got = kernels.add_rms_norm(x, updated, weight, 1e-6)
+    assert torch.equal(updated, expected_sum)  # the residual stream, updated in place
+    if dtype is torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:  # float32 sums of squares may be vectorised in another order
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.add_rms_norm(x, residual.t().contiguous().t(), weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_kv_write_stores_strided_rows_at_their_slots(kernels, dtype):
+    gen = torch.Generator().manual_seed(6)
+    kv_heads, dim, block = 3, 64, 16
+    k_cache = torch.zeros(10, kv_heads, block, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(5, (2 + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    k = qkv[:, 2 * dim : (2 + kv_heads) * dim].view(5, kv_heads, dim)  # strided rows, like the model's
+    v = qkv[:, (2 + kv_heads) * dim :].view(5, kv_heads, dim)
+    slots = torch.tensor([0, 17, 159, 40])  # 4 real rows; the fifth is padding and stays out
+    kernels.kv_write(k, v, k_cache, v_cache, slots)
+    for row, slot in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[slot // block, :, slot % block], k[row])
+        assert torch.equal(v_cache[slot // block, :, slot % block], v[row])
+    written = k_cache.abs().sum(dim=(1, 3)).ne(0).sum()
+    assert int(written) == 4
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.kv_write(k, v, k_cache, v_cache, torch.tensor([160]))

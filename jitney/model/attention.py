@@ -156,7 +156,7 @@ class TorchSdpaAttention:
     one SDPA call per prefill chunk (there are few per step)."""
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        write_kv(k, v, k_cache, v_cache, meta)
+        self._write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         d = meta.num_decode_tokens
         if d:
@@ -167,6 +167,10 @@ class TorchSdpaAttention:
         if meta.num_padding_tokens:
             out[q.shape[0] - meta.num_padding_tokens :] = _padding_output(v, q.shape[1], meta)
         return out
+
+    @staticmethod
+    def _write_kv(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        write_kv(k, v, k_cache, v_cache, meta)
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -226,11 +230,16 @@ class CpuKernelAttention(TorchSdpaAttention):
             raise RuntimeError("the CPU paged-attention kernel could not be built on this machine")
         self._paged_decode = kernels.paged_decode
         self._paged_prefill = kernels.paged_prefill if kernels.has_prefill_kernel() else None
+        self._kv_write = kernels.kv_write
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        if not meta.prefills and not meta.num_padding_tokens:
+            # Decodes only (most steps): the kernel's output is the whole result, no copy.
+            self._write_kv(k, v, k_cache, v_cache, meta)
+            return self._decode(q, k_cache, v_cache, meta, scale)
         if not meta.prefills or not self._prefill_fits(q, k_cache):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
-        write_kv(k, v, k_cache, v_cache, meta)
+        self._write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         d = meta.num_decode_tokens
         if d:
@@ -244,6 +253,12 @@ class CpuKernelAttention(TorchSdpaAttention):
         if meta.num_padding_tokens:
             out[q.shape[0] - meta.num_padding_tokens :] = _padding_output(v, q.shape[1], meta)
         return out
+
+    def _write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        if k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:
+            self._kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_kv(k, v, k_cache, v_cache, meta)
 
     def _prefill_fits(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (

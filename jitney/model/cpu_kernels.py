@@ -597,6 +597,54 @@ static void silu_mul_bf16(const at::BFloat16* in, at::BFloat16* out, int64_t row
 }
 #endif
 
+#ifdef JITNEY_AVX512_BF16
+// bf16 rows, 16 lanes at a time (the tail, dim % 16, scalar): the same roundings as the loops below.
+static void norm_rows_bf16(const at::BFloat16* xp, at::BFloat16* rp, const at::BFloat16* wp,
+                           at::BFloat16* op, int64_t rows, int64_t dim, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> sf(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* x = xp + r * dim;
+      at::BFloat16* res = rp ? rp + r * dim : nullptr;
+      __m512 sq = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= dim; d += 16) {
+        __m512 v = load_bf16_as_f32(x + d);
+        if (res) {
+          v = round_bf16(_mm512_add_ps(v, load_bf16_as_f32(res + d)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(res + d), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+        _mm512_storeu_ps(sf.data() + d, v);
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      float total = _mm512_reduce_add_ps(sq);
+      for (; d < dim; ++d) {
+        float v = static_cast<float>(x[d]);
+        if (res) {
+          const at::BFloat16 sum = static_cast<at::BFloat16>(v + static_cast<float>(res[d]));
+          res[d] = sum;
+          v = static_cast<float>(sum);
+        }
+        sf[d] = v;
+        total += v * v;
+      }
+      const float inv = 1.f / std::sqrt(total / static_cast<float>(dim) + static_cast<float>(eps));
+      const __m512 vinv = _mm512_set1_ps(inv);
+      at::BFloat16* out = op + r * dim;
+      for (d = 0; d + 16 <= dim; d += 16) {
+        const __m512 normed = round_bf16(_mm512_mul_ps(_mm512_loadu_ps(sf.data() + d), vinv));
+        const __m512 scaled = _mm512_mul_ps(load_bf16_as_f32(wp + d), normed);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(scaled));
+      }
+      for (; d < dim; ++d) {
+        const float normed = static_cast<float>(static_cast<at::BFloat16>(sf[d] * inv));
+        out[d] = static_cast<at::BFloat16>(static_cast<float>(wp[d]) * normed);
+      }
+    }
+  });
+}
+#endif
+
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up [rows, 2 * intermediate]");
   gate_up = gate_up.contiguous();
@@ -680,7 +728,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
       rms_norm_impl<float>(x, weight, out, eps);
       break;
     case at::kBFloat16:
+#ifdef JITNEY_AVX512_BF16
+      norm_rows_bf16(x.data_ptr<at::BFloat16>(), nullptr, weight.data_ptr<at::BFloat16>(),
+                     out.data_ptr<at::BFloat16>(), x.size(0), x.size(1), eps);
+#else
       rms_norm_impl<at::BFloat16>(x, weight, out, eps);
+#endif
       break;
     case at::kHalf:
       rms_norm_impl<at::Half>(x, weight, out, eps);
@@ -690,6 +743,103 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   }
   return out;
 }
+// residual += x (rounded to the model dtype, as torch's add), then RMSNorm of the new residual:
+// the two steps between a layer's sublayers, one pass, the residual updated in place.
+template <typename T>
+static void add_rms_norm_impl(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+                              torch::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> sf(dim), wf(dim);
+    widen(wp, wf.data(), dim);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t d = 0; d < dim; ++d) {
+        const float exact = static_cast<float>(xp[r * dim + d]) + static_cast<float>(rp[r * dim + d]);
+        const T sum = static_cast<T>(exact);
+        rp[r * dim + d] = sum;
+        sf[d] = static_cast<float>(sum);
+      }
+      float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t d = 0; d < dim; ++d) sq += sf[d] * sf[d];
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(dim) + static_cast<float>(eps));
+      for (int64_t d = 0; d < dim; ++d) {
+        const float normed = static_cast<float>(static_cast<T>(sf[d] * inv));
+        op[r * dim + d] = static_cast<T>(wf[d] * normed);
+      }
+    }
+  });
+}
+
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.dim() == 1 &&
+                  x.size(1) == weight.size(0),
+              "x and residual [rows, dim], weight [dim]");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              "x, residual and weight dtypes differ");
+  TORCH_CHECK(residual.is_contiguous(), "residual must be contiguous (it is updated in place)");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto out = torch::empty_like(x);
+  switch (x.scalar_type()) {
+    case at::kFloat: add_rms_norm_impl<float>(x, residual, weight, out, eps); break;
+    case at::kBFloat16:
+#ifdef JITNEY_AVX512_BF16
+      norm_rows_bf16(x.data_ptr<at::BFloat16>(), residual.data_ptr<at::BFloat16>(),
+                     weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), x.size(0), x.size(1),
+                     eps);
+#else
+      add_rms_norm_impl<at::BFloat16>(x, residual, weight, out, eps);
+#endif
+      break;
+    case at::kHalf: add_rms_norm_impl<at::Half>(x, residual, weight, out, eps); break;
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
+}
+
+// Store the first slots.size(0) rows of k and v [rows, kv_heads, dim] (rows and heads may be
+// strided, dims contiguous) at their slots (block * block_size + offset) of the caches: one call
+// per layer instead of two advanced-indexing assignments.
+void kv_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k and v [rows, kv_heads, dim]");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v dims must be contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches [blocks, kv_heads, block_size, dim], contiguous");
+  TORCH_CHECK(k_cache.size(1) == k.size(1) && k_cache.size(3) == k.size(2) &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "cache and k/v shapes differ");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "k/v and cache dtypes differ");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) <= k.size(0),
+              "slots: int64 [rows]");
+  slots = slots.contiguous();
+  const int64_t n = slots.size(0), heads = k.size(1), dim = k.size(2);
+  const int64_t block_size = k_cache.size(2), num_slots = k_cache.size(0) * block_size;
+  const int64_t elem = k.element_size(), row_bytes = dim * elem;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " is outside the cache");
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t block = sp[i] / block_size, offset = sp[i] % block_size;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t dst = ((block * heads + h) * block_size + offset) * row_bytes;
+        std::memcpy(kc + dst, kp + (i * k.stride(0) + h * k.stride(1)) * elem, row_bytes);
+        std::memcpy(vc + dst, vp + (i * v.stride(0) + h * v.stride(1)) * elem, row_bytes);
+      }
+    }
+  });
+}
 """
 
 _lock = threading.Lock()
@@ -698,7 +848,8 @@ _tried = False
 
 
 def load_kernels():
-    """The compiled module (``paged_decode``, ``rms_norm``), or None when it cannot be built here."""
+    """The compiled module (attention, norm, element-wise and cache-write kernels), or None when it
+    cannot be built here."""
     global _kernel, _tried
     with _lock:
         if _tried:
@@ -711,7 +862,7 @@ def load_kernels():
 
             log.info("building jitney's CPU kernels (once per machine, about a minute)")
             module = load_inline(
-                name="jitney_cpu_kernels_v6",
+                name="jitney_cpu_kernels_v8",
                 cpp_sources=_SOURCE,
                 functions=[
                     "paged_decode",
@@ -720,6 +871,8 @@ def load_kernels():
                     "rms_norm",
                     "silu_mul",
                     "rotary",
+                    "add_rms_norm",
+                    "kv_write",
                 ],
                 # -fopenmp: at::parallel_for is a header template that is serial without it.
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
@@ -753,6 +906,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """``jitney.model.rope.apply_rotary`` in one pass, into a new contiguous [rows, heads, dim]."""
     return _require().rotary(x, cos, signed_sin)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += x`` (in place, rounded as torch's add), then RMSNorm of it: the normed rows."""
+    return _require().add_rms_norm(x, residual, weight, eps)
+
+
+def kv_write(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Store the rows of k and v [rows, kv_heads, dim] at ``slot_mapping``'s cache slots."""
+    _require().kv_write(k, v, k_cache, v_cache, slot_mapping)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

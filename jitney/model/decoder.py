@@ -18,6 +18,9 @@ from jitney.model.config import ModelConfig
 from jitney.model.linear import Linear, pack_weight, packed_linear
 from jitney.model.rope import RotaryEmbedding, apply_rotary
 
+# (x, residual, weight, eps) -> norm(x + residual); residual updated in place.
+AddNormKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -30,11 +33,21 @@ class RMSNorm(nn.Module):
         self.weight = _param(size, dtype=dtype, device=device)
         self.kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
+        self.add_kernel: AddNormKernel | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dim() == 2:
             return self.kernel(x, self.weight, self.eps)
         # Normalises in float32 internally, as the reference does.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): one pass with the compiled kernel (which updates
+        ``residual`` in place), else an add and a norm."""
+        if self.add_kernel is not None and x.dim() == 2 and residual.is_contiguous():
+            return self.add_kernel(x, residual, self.weight, self.eps), residual
+        total = x + residual
+        return self.forward(total), total
 
 
 class Attention(nn.Module):
@@ -88,9 +101,18 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
-        x = x + self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, meta, backend)
-        return x + self.mlp(self.post_attn_norm(x))
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, backend):
+        """Returns (this layer's MLP output, the residual stream before adding it): the add is left
+        to the next layer's input norm (or the final norm), which fuses it."""
+        if residual is None:
+            residual = x
+            h = self.input_norm(x)
+        else:
+            h, residual = self.input_norm.add_forward(x, residual)
+        h, residual = self.post_attn_norm.add_forward(
+            self.attn(h, cos, sin, k_cache, v_cache, meta, backend), residual
+        )
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -130,9 +152,12 @@ class DecoderModel(nn.Module):
         if max_position is None:
             max_position = int(positions.max()) if positions.numel() else 0
         cos, sin = self.rotary.cos_sin(positions, max_position)
+        residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, k_cache, v_cache, meta, self.backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta, self.backend)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -142,9 +167,9 @@ class DecoderModel(nn.Module):
         return F.linear(hidden, weight).float()
 
     def use_cpu_kernels(self) -> bool:
-        """Route RMSNorm, SwiGLU's silu-and-multiply and the rotary embedding through the compiled
-        CPU kernels (one pass each instead of several small ops). Returns False, changing nothing,
-        when the kernels are unavailable."""
+        """Route RMSNorm (with the residual add before it), SwiGLU's silu-and-multiply and the
+        rotary embedding through the compiled CPU kernels (one pass each instead of several small
+        ops). Returns False, changing nothing, when the kernels are unavailable."""
         from jitney.model.cpu_kernels import load_kernels
 
         kernels = load_kernels() if self.device.type == "cpu" else None
@@ -153,6 +178,7 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernels.rms_norm
+                module.add_kernel = kernels.add_rms_norm
             elif isinstance(module, MLP):
                 module.silu_mul = kernels.silu_mul
             elif isinstance(module, Attention):
