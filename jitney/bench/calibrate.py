@@ -4,13 +4,14 @@
    mixed with an arriving prompt) on the real engine, timing every whole step (schedule, execute,
    update: what the virtual clock must advance by), and write them as JSON lines.
 2. Fit the simulator's ``profile`` cost model on most steps; report its error on held-out ones.
-3. Serving overhead: a first served run (its own traffic) logs every engine step with its start
-   time; the host time between a busy step's end and the next step's start (streaming the step's
-   tokens, HTTP, the event loop holding the GIL) is fitted as ``a + b * decode_tokens`` and added
-   to the profile: the offline grid cannot see it.
-4. Validate end to end: other traffic through a real ``jitney serve`` process (measured by the
-   load generator) and through the simulator, with the offline fit and with the fit plus the
-   serving overhead; relative error of mean TTFT, p95 TPOT and throughput.
+3. Served steps: a first served run (training traffic, not the validation's) logs every engine
+   step with its start time. From it: the host time between a busy step's end and the next
+   step's start (streaming the step's tokens, HTTP, the event loop holding the GIL), fitted as
+   ``a + b * decode_tokens``; and a profile fitted on the served steps themselves, which run
+   slower than the same shapes alone (the event loop and the load generator share the cores).
+4. Validate end to end: the validation traffic through a real ``jitney serve`` process (measured
+   by the load generator) and through the simulator under three models (grid fit; grid fit plus
+   overhead; served-steps fit plus overhead); relative error of mean TTFT, p95 TPOT, throughput.
 """
 
 from __future__ import annotations
