@@ -112,3 +112,34 @@ def test_kv_write_stores_strided_rows_at_their_slots(kernels, dtype):
     assert int(written) == 4
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.kv_write(k, v, k_cache, v_cache, torch.tensor([160]))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 64), (576, 576)], ids=["tail", "square"])
+def test_gemv_matches_float32_linear(kernels, rows, out_features, in_features):
+    if not kernels.has_gemv():
+        pytest.skip("the GEMV kernel needs AVX-512 BF16")
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=gen) / 8).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    got = kernels.gemv_bf16(x, weight, bias)
+    assert got.dtype is torch.bfloat16 and got.shape == (rows, out_features)
+    # float32 sums of exact bf16 products: only the output's own rounding (relative 2^-8) differs.
+    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
+    torch.testing.assert_close(
+        kernels.gemv_bf16(x, weight, None).float(), expected - bias.float(), atol=1e-3, rtol=2**-8
+    )
+
+
+def test_gemv_refuses_what_it_does_not_cover(kernels):
+    if not kernels.has_gemv():
+        pytest.skip("the GEMV kernel needs AVX-512 BF16")
+    weight = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        kernels.gemv_bf16(torch.zeros(5, 64, dtype=torch.bfloat16), weight, None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.gemv_bf16(
+            torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(8, 48, dtype=torch.bfloat16), None
+        )

@@ -175,6 +175,7 @@ class DecoderModel(nn.Module):
         kernels = load_kernels() if self.device.type == "cpu" else None
         if kernels is None:
             return False
+        gemv = kernels.gemv_bf16 if kernels.has_gemv() else None
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernels.rms_norm
@@ -183,6 +184,8 @@ class DecoderModel(nn.Module):
                 module.silu_mul = kernels.silu_mul
             elif isinstance(module, Attention):
                 module.rotate = kernels.rotary
+            elif isinstance(module, Linear) and gemv is not None:
+                module.use_gemv(gemv)
         return True
 
     def pack_weights(self) -> bool:
