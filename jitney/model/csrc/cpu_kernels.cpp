@@ -1,0 +1,899 @@
+// jitney's CPU kernels, compiled on first use by jitney/model/cpu_kernels.py (see its docstring).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+#include <atomic>
+
+// Widen n contiguous values to float32 (vectorises: bf16 is the high half of a float32).
+static inline void widen(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+static inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(raw[i]) << 16;
+}
+static inline void widen(const at::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                        torch::Tensor& out, double scale) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / kv_heads, max_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t block_elems = block_size * head_dim;
+
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), tile(block_elems), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const int64_t len = lens[s];
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      scores.assign(group * len, 0.f);
+      widen(qp + (s * num_heads + h * group) * head_dim, qf.data(), group * head_dim);
+      for (auto& x : qf) x *= fscale;
+      // Scores, one block at a time: its rows for this head are contiguous [block_size, head_dim].
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t block = tables[s * max_blocks + b];
+        const int64_t rows = std::min(block_size, len - b * block_size);
+        widen(kp + (block * kv_heads + h) * block_elems, tile.data(), rows * head_dim);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* krow = tile.data() + r * head_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * krow[d];
+            scores[g * len + b * block_size + r] = dot;
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        // Finite values only (built with -ffast-math): the peak starts at a real score.
+        float* sg = scores.data() + g * len;
+        float peak = sg[0];
+#pragma omp simd reduction(max : peak)
+        for (int64_t p = 0; p < len; ++p) peak = sg[p] > peak ? sg[p] : peak;
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t p = 0; p < len; ++p) {
+          sg[p] = expf(sg[p] - peak);
+          total += sg[p];
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t p = 0; p < len; ++p) sg[p] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t block = tables[s * max_blocks + b];
+        const int64_t rows = std::min(block_size, len - b * block_size);
+        widen(vp + (block * kv_heads + h) * block_elems, tile.data(), rows * head_dim);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* vrow = tile.data() + r * head_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float w = scores[g * len + b * block_size + r];
+            float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += w * vrow[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          op[(s * num_heads + h * group + g) * head_dim + d] = static_cast<T>(acc[g * head_dim + d]);
+    }
+  });
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define JITNEY_AVX512_BF16 1
+
+// e^x, 16 lanes: 2^(x log2 e) split into an integer power (scalef) and a degree-6 polynomial on
+// [-0.5, 0.5] (relative error about 2e-7). Inputs are clamped to [-87, 88]: finite results only.
+static inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load_bf16_as_f32(const at::BFloat16* src) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+static inline void prefetch_tile(const at::BFloat16* tile, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(tile);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+// One pass over a sequence's blocks per (sequence, KV head) task, with the online softmax: each
+// 16-row tile of K is scored for the whole query group with bf16 dot-product instructions
+// (float32 sums), and the same tile of V is accumulated in float32 at once, so K and V are read
+// exactly once and the next block is prefetched while this one is computed.
+template <int D>
+static void decode_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
+                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                               const torch::Tensor& context_lens, torch::Tensor& out, double scale) {
+  constexpr int QV = D / 32;  // bf16 vectors per head row
+  constexpr int AV = D / 16;  // float32 vectors per head row
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
+  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / kv_heads, max_blocks = block_tables.size(1);
+  const at::BFloat16* qp = q.data_ptr<at::BFloat16>();
+  const at::BFloat16* kp = k_cache.data_ptr<at::BFloat16>();
+  const at::BFloat16* vp = v_cache.data_ptr<at::BFloat16>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  const int64_t tile_bytes = block_size * D * static_cast<int64_t>(sizeof(at::BFloat16));
+  const int64_t tasks = num_seqs * kv_heads;
+
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> acc(group * AV);
+    std::vector<float> peak(group), total(group);
+    alignas(64) float scores[16], probs[16 * 16], vf[16 * D];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const int64_t len = lens[s];
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      const int64_t* table = tables + s * max_blocks;
+      __m512bh qv[16][QV];
+      for (int64_t g = 0; g < group; ++g) {
+        const at::BFloat16* qrow = qp + (s * num_heads + h * group + g) * D;
+        for (int i = 0; i < QV; ++i) qv[g][i] = (__m512bh)_mm512_loadu_si512(qrow + 32 * i);
+        for (int i = 0; i < AV; ++i) acc[g * AV + i] = _mm512_setzero_ps();
+        peak[g] = -INFINITY;
+        total[g] = 0.f;
+      }
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t offset = (table[b] * kv_heads + h) * block_size * D;
+        if (b + 1 < num_blocks) {
+          const int64_t next = (table[b + 1] * kv_heads + h) * block_size * D;
+          prefetch_tile(kp + next, tile_bytes);
+          prefetch_tile(vp + next, tile_bytes);
+        }
+        const int64_t block_rows = std::min(block_size, len - b * block_size);
+        for (int64_t r0 = 0; r0 < block_rows; r0 += 16) {
+          const int rows = static_cast<int>(std::min<int64_t>(16, block_rows - r0));
+          const __mmask16 valid = static_cast<__mmask16>((1u << rows) - 1u);
+          const at::BFloat16* ktile = kp + offset + r0 * D;
+          const at::BFloat16* vtile = vp + offset + r0 * D;
+          for (int64_t g = 0; g < group; ++g) {
+            for (int r = 0; r < rows; ++r) {
+              __m512 dot = _mm512_setzero_ps();
+              for (int i = 0; i < QV; ++i)
+                dot = _mm512_dpbf16_ps(dot, qv[g][i], (__m512bh)_mm512_loadu_si512(ktile + r * D + 32 * i));
+              scores[r] = _mm512_reduce_add_ps(dot);
+            }
+            const __m512 sv = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, scores), vscale);
+            const float tile_peak = _mm512_mask_reduce_max_ps(valid, sv);
+            const float new_peak = std::max(peak[g], tile_peak);
+            const __m512 shifted = _mm512_sub_ps(sv, _mm512_set1_ps(new_peak));
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(shifted));
+            if (new_peak != peak[g]) {
+              const float correction = std::exp(peak[g] - new_peak);  // 0 on the first tile
+              total[g] *= correction;
+              const __m512 c = _mm512_set1_ps(correction);
+              for (int i = 0; i < AV; ++i) acc[g * AV + i] = _mm512_mul_ps(acc[g * AV + i], c);
+              peak[g] = new_peak;
+            }
+            total[g] += _mm512_reduce_add_ps(p);
+            _mm512_store_ps(probs + 16 * g, p);
+          }
+          // V: widened once into a float32 tile (it stays in L1), then each query head of the
+          // group accumulates over it with its output in registers.
+          for (int r = 0; r < rows; ++r)
+            _Pragma("GCC unroll 8") for (int i = 0; i < AV; ++i)
+              _mm512_store_ps(vf + r * D + 16 * i, load_bf16_as_f32(vtile + r * D + 16 * i));
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 ov[AV];
+            _Pragma("GCC unroll 8") for (int i = 0; i < AV; ++i) ov[i] = acc[g * AV + i];
+            for (int r = 0; r < rows; ++r) {
+              const __m512 w = _mm512_set1_ps(probs[16 * g + r]);
+              _Pragma("GCC unroll 8") for (int i = 0; i < AV; ++i)
+                ov[i] = _mm512_fmadd_ps(w, _mm512_load_ps(vf + r * D + 16 * i), ov[i]);
+            }
+            _Pragma("GCC unroll 8") for (int i = 0; i < AV; ++i) acc[g * AV + i] = ov[i];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512 inv = _mm512_set1_ps(1.f / total[g]);
+        at::BFloat16* orow = op + (s * num_heads + h * group + g) * D;
+        for (int i = 0; i < AV; ++i) {
+          const __m256bh packed = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g * AV + i], inv));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 16 * i), (__m256i)packed);
+        }
+      }
+    }
+  });
+}
+
+// The fast kernel covers bf16 caches whose head size is 64 or 128, blocks a multiple of 16 rows
+// and query groups of at most 16 heads; anything else takes the portable loop below.
+static bool decode_fast(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                        torch::Tensor& out, double scale) {
+  if (q.scalar_type() != at::kBFloat16) return false;
+  const int64_t head_dim = q.size(2), block_size = k_cache.size(2);
+  if (block_size % 16 != 0 || q.size(1) / k_cache.size(1) > 16) return false;
+  if (head_dim == 64) {
+    decode_bf16_avx512<64>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+    return true;
+  }
+  if (head_dim == 128) {
+    decode_bf16_avx512<128>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+    return true;
+  }
+  return false;
+}
+// Causal attention of the prefill chunks of a step, read straight from the paged cache.
+// Sequence i owns query rows [q_starts[i], q_starts[i] + q_lens[i]) of q; its keys are the first
+// ctx_lens[i] cached rows, and its query row j sits at position ctx_lens[i] - q_lens[i] + j, so a
+// chunk continuing a cached prefix sees that prefix. Work is split into tasks of (sequence,
+// KV head, 32 query positions); each task keeps the 32 x group query rows' online-softmax state
+// and walks the key tiles (16 cached rows) up to its last position: the tile of K is turned once
+// into dot-product order (pairs of dims x 16 keys), so every score vector is 32 bf16 dot-product
+// instructions with no horizontal sums; the tile of V is widened once and accumulated in float32.
+// Tasks are handed out largest first from a shared counter, which balances the causal triangle.
+template <int D>
+static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                const torch::Tensor& q_starts, const torch::Tensor& q_lens,
+                                const torch::Tensor& ctx_lens, torch::Tensor& out, double scale) {
+  constexpr int PAIRS = D / 2;  // 32-bit (bf16 pair) elements per head row
+  constexpr int AV = D / 16;    // float32 vectors per head row
+  constexpr int QT = 32;        // query positions per task
+  constexpr int RP = AV <= 4 ? 4 : 2;  // rows whose outputs stay in registers during P x V
+  const int64_t num_heads = q.size(1);
+  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / kv_heads, max_blocks = block_tables.size(1);
+  const int64_t num_seqs = q_starts.size(0);
+  const at::BFloat16* qp = q.data_ptr<at::BFloat16>();
+  const at::BFloat16* kp = k_cache.data_ptr<at::BFloat16>();
+  const at::BFloat16* vp = v_cache.data_ptr<at::BFloat16>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* starts = q_starts.data_ptr<int64_t>();
+  const int64_t* qlens = q_lens.data_ptr<int64_t>();
+  const int64_t* clens = ctx_lens.data_ptr<int64_t>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const float fscale = static_cast<float>(scale);
+
+  struct Task { int64_t seq, head, first, cost; };
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t prefix = clens[s] - qlens[s];
+    for (int64_t first = 0; first < qlens[s]; first += QT) {
+      const int64_t last_pos = prefix + std::min(qlens[s], first + QT) - 1;
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({s, h, first, last_pos + 1});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next_task{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
+
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const int64_t max_rows = QT * group + 8;  // room for padding the last row group to eight
+    std::vector<float> o(max_rows * D), peak(max_rows), total(max_rows);
+    std::vector<int64_t> pos(max_rows);
+    std::vector<const uint32_t*> qrows(max_rows);
+    alignas(64) uint32_t kt[PAIRS * 16];
+    alignas(64) float vf[16 * D];
+    for (int64_t t = next_task++; t < static_cast<int64_t>(tasks.size()); t = next_task++) {
+      const Task task = tasks[t];
+      const int64_t s = task.seq, h = task.head;
+      const int64_t prefix = clens[s] - qlens[s];
+      const int64_t positions = std::min<int64_t>(QT, qlens[s] - task.first);
+      const int64_t rows = positions * group;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t j = task.first + r / group, g = r % group;
+        pos[r] = prefix + j;
+        qrows[r] = reinterpret_cast<const uint32_t*>(qp + ((starts[s] + j) * num_heads + h * group + g) * D);
+        peak[r] = -INFINITY;
+        total[r] = 0.f;
+      }
+      for (int64_t r = rows; r < rows + 8; ++r) {  // padding rows: see no key, read row 0's query
+        pos[r] = -1;
+        qrows[r] = qrows[0];
+      }
+      std::fill(o.begin(), o.begin() + (rows + 8) * D, 0.f);
+      const int64_t keys = task.cost;  // keys 0 .. last position
+      for (int64_t k0 = 0; k0 < keys; k0 += 16) {
+        const int64_t block = tables[s * max_blocks + k0 / block_size];
+        const int64_t offset = ((block * kv_heads + h) * block_size + k0 % block_size) * D;
+        const int n_keys = static_cast<int>(std::min<int64_t>(16, keys - k0));
+        const uint32_t* ksrc = reinterpret_cast<const uint32_t*>(kp + offset);
+        for (int n = 0; n < 16; ++n)
+          for (int d = 0; d < PAIRS; ++d) kt[d * 16 + n] = n < n_keys ? ksrc[n * PAIRS + d] : 0u;
+        for (int n = 0; n < n_keys; ++n)
+          for (int i = 0; i < AV; ++i)
+            _mm512_store_ps(vf + n * D + 16 * i, load_bf16_as_f32(vp + offset + n * D + 16 * i));
+        // Rows are ordered by position: those before this tile see none of it.
+        int64_t r0 = 0;
+        while (r0 < rows && pos[r0] < k0) ++r0;
+        for (int64_t rb = r0 / 8 * 8; rb < rows; rb += 8) {
+          // Scores of eight rows at once, two partial sums each: sixteen independent chains of
+          // dot-product instructions keep the units busy (one chain would wait on each result).
+          __m512 even[8], odd[8];
+          _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+          for (int d = 0; d < PAIRS; d += 2) {
+            const __m512bh k_even = (__m512bh)_mm512_load_si512(kt + d * 16);
+            const __m512bh k_odd = (__m512bh)_mm512_load_si512(kt + (d + 1) * 16);
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {
+              const uint32_t* qrow = qrows[rb + i];
+              even[i] = _mm512_dpbf16_ps(even[i], k_even, (__m512bh)_mm512_set1_epi32(qrow[d]));
+              odd[i] = _mm512_dpbf16_ps(odd[i], k_odd, (__m512bh)_mm512_set1_epi32(qrow[d + 1]));
+            }
+          }
+          // Online softmax of the eight rows (padding rows and rows before this tile see nothing).
+          alignas(64) float probs[8][16];
+          float correction[8];
+          int64_t visible_max = 0;
+          _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {
+            const int64_t r = rb + i;
+            const int64_t visible = std::max<int64_t>(0, std::min<int64_t>(n_keys, pos[r] - k0 + 1));
+            correction[i] = 1.f;
+            if (visible == 0) {
+              _mm512_store_ps(probs[i], _mm512_setzero_ps());
+              continue;
+            }
+            visible_max = std::max(visible_max, visible);
+            const __mmask16 valid = static_cast<__mmask16>((1u << visible) - 1u);
+            const __m512 sv = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), _mm512_set1_ps(fscale));
+            const float new_peak = std::max(peak[r], _mm512_mask_reduce_max_ps(valid, sv));
+            const __m512 shifted = _mm512_sub_ps(sv, _mm512_set1_ps(new_peak));
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(shifted));
+            if (new_peak != peak[r]) {
+              correction[i] = expf(peak[r] - new_peak);  // 0 on the first tile
+              total[r] *= correction[i];
+              peak[r] = new_peak;
+            }
+            total[r] += _mm512_reduce_add_ps(p);
+            _mm512_store_ps(probs[i], p);
+          }
+          // P x V, RP rows at a time with their outputs in registers: each V row is loaded once
+          // for all of them. Every index below is a compile-time constant after unrolling, so the
+          // accumulators never go through memory.
+          _Pragma("GCC unroll 4") for (int part = 0; part < 8; part += RP) {
+            __m512 ov[RP][AV];
+            _Pragma("GCC unroll 4") for (int i = 0; i < RP; ++i) {
+              const __m512 c = _mm512_set1_ps(correction[part + i]);
+              _Pragma("GCC unroll 8") for (int j = 0; j < AV; ++j)
+                ov[i][j] = _mm512_mul_ps(_mm512_loadu_ps(o.data() + (rb + part + i) * D + 16 * j), c);
+            }
+            for (int64_t n = 0; n < visible_max; ++n) {
+              __m512 vrow[AV];
+              _Pragma("GCC unroll 8") for (int j = 0; j < AV; ++j)
+                vrow[j] = _mm512_load_ps(vf + n * D + 16 * j);
+              _Pragma("GCC unroll 4") for (int i = 0; i < RP; ++i) {
+                const __m512 w = _mm512_set1_ps(probs[part + i][n]);
+                _Pragma("GCC unroll 8") for (int j = 0; j < AV; ++j)
+                  ov[i][j] = _mm512_fmadd_ps(w, vrow[j], ov[i][j]);
+              }
+            }
+            _Pragma("GCC unroll 4") for (int i = 0; i < RP; ++i)
+              _Pragma("GCC unroll 8") for (int j = 0; j < AV; ++j)
+                _mm512_storeu_ps(o.data() + (rb + part + i) * D + 16 * j, ov[i][j]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t j = task.first + r / group, g = r % group;
+        at::BFloat16* dst = op + ((starts[s] + j) * num_heads + h * group + g) * D;
+        const __m512 inv = _mm512_set1_ps(1.f / total[r]);
+        for (int i = 0; i < AV; ++i) {
+          const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(o.data() + r * D + 16 * i), inv);
+          const __m256bh packed = _mm512_cvtneps_pbh(normed);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * i), (__m256i)packed);
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
+                            torch::Tensor ctx_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [rows, heads, dim], cache [blocks, kv, bs, dim]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
+              "the prefill kernel takes bf16 queries and caches");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.size(2) % 16 == 0, "the prefill kernel needs blocks of a multiple of 16 rows");
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "the prefill kernel takes head sizes 64 and 128");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  auto out = torch::empty_like(q);
+  if (q.size(2) == 64)
+    prefill_bf16_avx512<64>(q, k_cache, v_cache, block_tables, q_starts.contiguous(), q_lens.contiguous(),
+                            ctx_lens.contiguous(), out, scale);
+  else
+    prefill_bf16_avx512<128>(q, k_cache, v_cache, block_tables, q_starts.contiguous(), q_lens.contiguous(),
+                             ctx_lens.contiguous(), out, scale);
+  return out;
+}
+
+bool has_prefill_kernel() { return true; }
+#else
+static bool decode_fast(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                        const torch::Tensor&, const torch::Tensor&, torch::Tensor&, double) {
+  return false;
+}
+
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                            torch::Tensor, torch::Tensor, double) {
+  TORCH_CHECK(false, "the prefill kernel needs a compiler targeting AVX-512 BF16");
+  return q;
+}
+
+bool has_prefill_kernel() { return false; }
+#endif
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [seqs, heads, dim], cache [blocks, kv, bs, dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  auto out = torch::empty_like(q);
+  if (decode_fast(q, k_cache, v_cache, block_tables, context_lens, out, scale)) return out;
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      decode_impl<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+      break;
+    case at::kBFloat16:
+      decode_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+      break;
+    case at::kHalf:
+      decode_impl<at::Half>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+      break;
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
+}
+
+template <typename T>
+static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& out,
+                          double eps) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(dim), wf(dim);
+    widen(wp, wf.data(), dim);
+    for (int64_t r = begin; r < end; ++r) {
+      widen(xp + r * dim, xf.data(), dim);
+      float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t d = 0; d < dim; ++d) sq += xf[d] * xf[d];
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(dim) + static_cast<float>(eps));
+      for (int64_t d = 0; d < dim; ++d) {
+        const float normed = static_cast<float>(static_cast<T>(xf[d] * inv));
+        op[r * dim + d] = static_cast<T>(wf[d] * normed);
+      }
+    }
+  });
+}
+
+// ---- Element-wise steps of a layer, each one pass instead of several torch ops -----------------
+// Both keep the reference's rounding: every intermediate that torch would store in the model
+// dtype is rounded to it here too, so bf16 results match the unfused ops (to the last bit, but for
+// the rare element where the last bit of exp tips a rounding).
+
+static inline float round_to(float x, float) { return x; }
+static inline float round_to(float x, at::BFloat16) {
+  return static_cast<float>(static_cast<at::BFloat16>(x));
+}
+static inline float round_to(float x, at::Half) { return static_cast<float>(static_cast<at::Half>(x)); }
+
+// silu(gate) * up for a fused [rows, 2 * inter] gate/up projection.
+template <typename T>
+static void silu_mul_scalar(const T* in, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in + r * 2 * inter;
+      const T* up = gate + inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float act = round_to(g / (1.f + std::exp(-g)), T(0));
+        out[r * inter + i] = static_cast<T>(act * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+#ifdef JITNEY_AVX512_BF16
+static inline __m512 round_bf16(__m512 x) {
+  const __m256i packed = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(packed), 16));
+}
+
+static void silu_mul_bf16(const at::BFloat16* in, at::BFloat16* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* gate = in + r * 2 * inter;
+      const at::BFloat16* up = gate + inter;
+      at::BFloat16* dst = out + r * inter;
+      int64_t i = 0;
+      for (; i + 16 <= inter; i += 16) {
+        const __m512 g = load_bf16_as_f32(gate + i);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+        const __m512 sig = _mm512_div_ps(g, denominator);
+        const __m512 prod = _mm512_mul_ps(round_bf16(sig), load_bf16_as_f32(up + i));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(prod));
+      }
+      for (; i < inter; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float act = round_to(g / (1.f + std::exp(-g)), at::BFloat16(0));
+        dst[i] = static_cast<at::BFloat16>(act * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+#endif
+
+#ifdef JITNEY_AVX512_BF16
+// bf16 rows, 16 lanes at a time (the tail, dim % 16, scalar): the same roundings as the loops below.
+static void norm_rows_bf16(const at::BFloat16* xp, at::BFloat16* rp, const at::BFloat16* wp,
+                           at::BFloat16* op, int64_t rows, int64_t dim, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> sf(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* x = xp + r * dim;
+      at::BFloat16* res = rp ? rp + r * dim : nullptr;
+      __m512 sq = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= dim; d += 16) {
+        __m512 v = load_bf16_as_f32(x + d);
+        if (res) {
+          v = round_bf16(_mm512_add_ps(v, load_bf16_as_f32(res + d)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(res + d), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+        _mm512_storeu_ps(sf.data() + d, v);
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      float total = _mm512_reduce_add_ps(sq);
+      for (; d < dim; ++d) {
+        float v = static_cast<float>(x[d]);
+        if (res) {
+          const at::BFloat16 sum = static_cast<at::BFloat16>(v + static_cast<float>(res[d]));
+          res[d] = sum;
+          v = static_cast<float>(sum);
+        }
+        sf[d] = v;
+        total += v * v;
+      }
+      const float inv = 1.f / std::sqrt(total / static_cast<float>(dim) + static_cast<float>(eps));
+      const __m512 vinv = _mm512_set1_ps(inv);
+      at::BFloat16* out = op + r * dim;
+      for (d = 0; d + 16 <= dim; d += 16) {
+        const __m512 normed = round_bf16(_mm512_mul_ps(_mm512_loadu_ps(sf.data() + d), vinv));
+        const __m512 scaled = _mm512_mul_ps(load_bf16_as_f32(wp + d), normed);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(scaled));
+      }
+      for (; d < dim; ++d) {
+        const float normed = static_cast<float>(static_cast<at::BFloat16>(sf[d] * inv));
+        out[d] = static_cast<at::BFloat16>(static_cast<float>(wp[d]) * normed);
+      }
+    }
+  });
+}
+#endif
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up [rows, 2 * intermediate]");
+  gate_up = gate_up.contiguous();
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  switch (gate_up.scalar_type()) {
+    case at::kBFloat16:
+#ifdef JITNEY_AVX512_BF16
+      silu_mul_bf16(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
+#else
+      silu_mul_scalar(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
+#endif
+      break;
+    case at::kFloat:
+      silu_mul_scalar(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+      break;
+    case at::kHalf:
+      silu_mul_scalar(gate_up.data_ptr<at::Half>(), out.data_ptr<at::Half>(), rows, inter);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
+}
+
+// The half rotation of RoPE for x [rows, heads, dim] (rows may be strided, e.g. a slice of the
+// fused q/k/v projection) with per-row tables cos and signed_sin [rows, 1, dim] (sin with its
+// first half negated): out = round(x * cos) + swap_halves(x) * signed_sin, as the torch path.
+template <typename T>
+static void rotary_impl(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        torch::Tensor& out) {
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cp + r * dim;
+      const T* sn = sp + r * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* src = xp + r * row_stride + h * head_stride;
+        T* dst = op + (r * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          const float scaled = round_to(static_cast<float>(src[d]) * static_cast<float>(c[d]), T(0));
+          const float swapped = static_cast<float>(src[d < half ? d + half : d - half]);
+          dst[d] = static_cast<T>(scaled + swapped * static_cast<float>(sn[d]));
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "x [rows, heads, even dim], dims contiguous");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type(), "dtypes differ");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  TORCH_CHECK(cos.numel() == x.size(0) * x.size(2) && sin.numel() == cos.numel(), "tables [rows, 1, dim]");
+  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: rotary_impl<float>(x, cos, sin, out); break;
+    case at::kBFloat16: rotary_impl<at::BFloat16>(x, cos, sin, out); break;
+    case at::kHalf: rotary_impl<at::Half>(x, cos, sin, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0),
+              "x [rows, dim], weight [dim]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight dtypes differ");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto out = torch::empty_like(x);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      rms_norm_impl<float>(x, weight, out, eps);
+      break;
+    case at::kBFloat16:
+#ifdef JITNEY_AVX512_BF16
+      norm_rows_bf16(x.data_ptr<at::BFloat16>(), nullptr, weight.data_ptr<at::BFloat16>(),
+                     out.data_ptr<at::BFloat16>(), x.size(0), x.size(1), eps);
+#else
+      rms_norm_impl<at::BFloat16>(x, weight, out, eps);
+#endif
+      break;
+    case at::kHalf:
+      rms_norm_impl<at::Half>(x, weight, out, eps);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
+}
+// residual += x (rounded to the model dtype, as torch's add), then RMSNorm of the new residual:
+// the two steps between a layer's sublayers, one pass, the residual updated in place.
+template <typename T>
+static void add_rms_norm_impl(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+                              torch::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> sf(dim), wf(dim);
+    widen(wp, wf.data(), dim);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t d = 0; d < dim; ++d) {
+        const float exact = static_cast<float>(xp[r * dim + d]) + static_cast<float>(rp[r * dim + d]);
+        const T sum = static_cast<T>(exact);
+        rp[r * dim + d] = sum;
+        sf[d] = static_cast<float>(sum);
+      }
+      float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t d = 0; d < dim; ++d) sq += sf[d] * sf[d];
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(dim) + static_cast<float>(eps));
+      for (int64_t d = 0; d < dim; ++d) {
+        const float normed = static_cast<float>(static_cast<T>(sf[d] * inv));
+        op[r * dim + d] = static_cast<T>(wf[d] * normed);
+      }
+    }
+  });
+}
+
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.dim() == 1 &&
+                  x.size(1) == weight.size(0),
+              "x and residual [rows, dim], weight [dim]");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              "x, residual and weight dtypes differ");
+  TORCH_CHECK(residual.is_contiguous(), "residual must be contiguous (it is updated in place)");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto out = torch::empty_like(x);
+  switch (x.scalar_type()) {
+    case at::kFloat: add_rms_norm_impl<float>(x, residual, weight, out, eps); break;
+    case at::kBFloat16:
+#ifdef JITNEY_AVX512_BF16
+      norm_rows_bf16(x.data_ptr<at::BFloat16>(), residual.data_ptr<at::BFloat16>(),
+                     weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), x.size(0), x.size(1),
+                     eps);
+#else
+      add_rms_norm_impl<at::BFloat16>(x, residual, weight, out, eps);
+#endif
+      break;
+    case at::kHalf: add_rms_norm_impl<at::Half>(x, residual, weight, out, eps); break;
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
+}
+
+// Store the first slots.size(0) rows of k and v [rows, kv_heads, dim] (rows and heads may be
+// strided, dims contiguous) at their slots (block * block_size + offset) of the caches: one call
+// per layer instead of two advanced-indexing assignments.
+void kv_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k and v [rows, kv_heads, dim]");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v dims must be contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches [blocks, kv_heads, block_size, dim], contiguous");
+  TORCH_CHECK(k_cache.size(1) == k.size(1) && k_cache.size(3) == k.size(2) &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "cache and k/v shapes differ");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "k/v and cache dtypes differ");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) <= k.size(0),
+              "slots: int64 [rows]");
+  slots = slots.contiguous();
+  const int64_t n = slots.size(0), heads = k.size(1), dim = k.size(2);
+  const int64_t block_size = k_cache.size(2), num_slots = k_cache.size(0) * block_size;
+  const int64_t elem = k.element_size(), row_bytes = dim * elem;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " is outside the cache");
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t block = sp[i] / block_size, offset = sp[i] % block_size;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t dst = ((block * heads + h) * block_size + offset) * row_bytes;
+        std::memcpy(kc + dst, kp + (i * k.stride(0) + h * k.stride(1)) * elem, row_bytes);
+        std::memcpy(vc + dst, vp + (i * v.stride(0) + h * v.stride(1)) * elem, row_bytes);
+      }
+    }
+  });
+}
+#ifdef JITNEY_AVX512_BF16
+// y = x W^T (+ bias) for a few rows of x (a decode step of a small batch): every weight row is
+// streamed once, front to back, for all rows of x at once, with bf16 dot-product instructions into
+// float32 sums; four weight rows at a time keep several independent chains in flight. Memory-bound
+// by design: at one row of x it streams the weights near the machine's bandwidth, where oneDNN's
+// general kernels (built for many rows) reach about half of it.
+template <int M>
+static void gemv_rows(const at::BFloat16* xp, const at::BFloat16* wp, const at::BFloat16* bp,
+                      at::BFloat16* op, int64_t n_out, int64_t k_in) {
+  const int64_t chunks = k_in / 32;
+  at::parallel_for(0, (n_out + 3) / 4, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t quad = begin; quad < end; ++quad) {
+      const int64_t n0 = quad * 4;
+      const int rows = static_cast<int>(std::min<int64_t>(4, n_out - n0));
+      __m512 acc[M][4];
+      _Pragma("GCC unroll 4") for (int m = 0; m < M; ++m)
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+      const at::BFloat16* w0 = wp + n0 * k_in;
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m512bh wv[4];
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j)
+          wv[j] = (__m512bh)_mm512_loadu_si512(w0 + (j < rows ? j : 0) * k_in + 32 * c);
+        _Pragma("GCC unroll 4") for (int m = 0; m < M; ++m) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + m * k_in + 32 * c);
+          _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j)
+            acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+        }
+      }
+      _Pragma("GCC unroll 4") for (int m = 0; m < M; ++m)
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {
+          if (j >= rows) continue;
+          float y = _mm512_reduce_add_ps(acc[m][j]);
+          if (bp) y += static_cast<float>(bp[n0 + j]);
+          op[m * n_out + n0 + j] = static_cast<at::BFloat16>(y);
+        }
+    }
+  });
+}
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "x [rows, in], weight [out, in]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "1 to 4 rows");
+  TORCH_CHECK(weight.size(1) % 32 == 0, "the input size must be a multiple of 32");
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
+  x = x.contiguous();
+  const at::BFloat16* bp = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == weight.size(0), "bias [out], bf16");
+    bp = b.data_ptr<at::BFloat16>();
+  }
+  const int64_t n_out = weight.size(0), k_in = weight.size(1);
+  auto out = torch::empty({x.size(0), n_out}, x.options());
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  switch (x.size(0)) {
+    case 1: gemv_rows<1>(xp, wp, bp, op, n_out, k_in); break;
+    case 2: gemv_rows<2>(xp, wp, bp, op, n_out, k_in); break;
+    case 3: gemv_rows<3>(xp, wp, bp, op, n_out, k_in); break;
+    default: gemv_rows<4>(xp, wp, bp, op, n_out, k_in); break;
+  }
+  return out;
+}
+
+bool has_gemv() { return true; }
+#else
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "the bf16 GEMV kernel needs a compiler targeting AVX-512 BF16");
+  return x;
+}
+
+bool has_gemv() { return false; }
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache");
+  m.def("paged_prefill", &paged_prefill, "causal attention of a step's prefill chunks over the paged KV cache (bf16)");
+  m.def("has_prefill_kernel", &has_prefill_kernel, "whether this build has the AVX-512 BF16 prefill kernel");
+  m.def("rms_norm", &rms_norm, "RMSNorm of [rows, dim]");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up projection");
+  m.def("rotary", &rotary, "RoPE half rotation with per-row cos and signed sin tables");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
+  m.def("kv_write", &kv_write, "store k/v rows at their cache slots");
+  m.def("gemv_bf16", &gemv_bf16, "x W^T (+ bias) for 1 to 4 bf16 rows", py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
+  m.def("has_gemv", &has_gemv, "whether this build has the AVX-512 BF16 GEMV kernel");
+}
