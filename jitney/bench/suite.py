@@ -25,7 +25,7 @@ SECTIONS = ("scheduler", "simulator", "slots", "throughput", "serve", "calibrati
 
 @dataclass(frozen=True)
 class SuiteConfig:
-    """Sizes chosen so the whole set runs in about 15 minutes on 2 CPU cores."""
+    """Sizes chosen so the whole set runs within 15 minutes on 2 CPU cores (about 6 here)."""
 
     model: str | None = None  # None = the bundled model
     dtype: str = "bfloat16"

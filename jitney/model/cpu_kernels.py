@@ -25,7 +25,7 @@ closer to the memory bandwidth (the batch-1 step went from 8.2 to 6.0 ms). It re
 weight, which the linear layers then keep next to the packed copy (the weights' memory doubles).
 
 Compilation takes about a minute once per machine (cached by torch under
-~/.cache/torch_extensions); if it fails, ``load_kernel`` returns None and the torch path is used.
+~/.cache/torch_extensions); if it fails, ``load_kernels`` returns None and the torch path is used.
 """
 
 from __future__ import annotations
