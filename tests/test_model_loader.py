@@ -62,6 +62,7 @@ def test_legacy_rope_fields_are_read():
         ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture"),
         ({"num_key_value_heads": 3}, "not a multiple"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "unsupported rope scaling"),
+        ({"num_hidden_layers": 0}, "num_layers must be >= 1, got 0"),
     ],
 )
 def test_bad_configs_are_rejected_with_reason(tiny_checkpoint, change, message):

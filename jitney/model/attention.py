@@ -28,6 +28,17 @@ class SequenceSpan:
     block_table: torch.Tensor  # [num_blocks_used] int64 block ids
 
 
+@dataclass(frozen=True)
+class PrefillLayout:
+    """A step's prefill chunks, which sit in consecutive rows, as batched tensors."""
+
+    rows: slice  # the chunks' rows in the flattened batch
+    starts: torch.Tensor  # [chunks] int64, each chunk's first row relative to ``rows.start``
+    query_lens: torch.Tensor  # [chunks] int64
+    context_lens: torch.Tensor  # [chunks] int64, tokens in the cache after this step's write
+    block_tables: torch.Tensor  # [chunks, max_blocks] int64, padded with block 0
+
+
 @dataclass
 class AttentionMetadata:
     """Where a step's tokens sit in the flattened batch and in the paged cache."""
@@ -45,7 +56,7 @@ class AttentionMetadata:
         self.slot_blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
         self.slot_offsets = self.slot_mapping % self.block_size
         self._decode_bias: torch.Tensor | None = None
-        self._prefill_layout: tuple[torch.Tensor, ...] | None = None
+        self._prefill_layout: PrefillLayout | None = None
 
     def decode_bias(self) -> torch.Tensor:
         """[decodes, 1, 1, positions] float32: 0 where a decode row may attend, -inf on padding.
@@ -58,19 +69,21 @@ class AttentionMetadata:
             self._decode_bias = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
         return self._decode_bias
 
-    def prefill_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The prefill chunks as batched tensors (query starts relative to the first chunk, query
-        lengths, context lengths, block tables padded with block 0), built once per step."""
+    def prefill_layout(self) -> PrefillLayout:
+        """The prefill chunks as batched tensors, built once per step and shared by every layer."""
         if self._prefill_layout is None:
             first = self.prefills[0].query_start if self.prefills else 0
-            starts = torch.tensor([p.query_start - first for p in self.prefills], dtype=torch.int64)
-            q_lens = torch.tensor([p.query_len for p in self.prefills], dtype=torch.int64)
-            ctx_lens = torch.tensor([p.context_len for p in self.prefills], dtype=torch.int64)
             width = max((int(p.block_table.shape[0]) for p in self.prefills), default=0)
             tables = torch.zeros(len(self.prefills), width, dtype=torch.int64)
             for i, p in enumerate(self.prefills):
                 tables[i, : p.block_table.shape[0]] = p.block_table
-            self._prefill_layout = (starts, q_lens, ctx_lens, tables)
+            self._prefill_layout = PrefillLayout(
+                rows=slice(first, first + sum(p.query_len for p in self.prefills)),
+                starts=torch.tensor([p.query_start - first for p in self.prefills], dtype=torch.int64),
+                query_lens=torch.tensor([p.query_len for p in self.prefills], dtype=torch.int64),
+                context_lens=torch.tensor([p.context_len for p in self.prefills], dtype=torch.int64),
+                block_tables=tables,
+            )
         return self._prefill_layout
 
     @property
@@ -157,13 +170,15 @@ class TorchSdpaAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         self._write_kv(k, v, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
         d = meta.num_decode_tokens
+        if d and d == q.shape[0]:
+            # Decodes only (most steps): the decode output is the whole result, no copy.
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
-        for span in meta.prefills:
-            rows = slice(span.query_start, span.query_start + span.query_len)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, span, scale)
+        if meta.prefills:
+            self._prefill_chunks(q, k_cache, v_cache, meta, scale, out)
         if meta.num_padding_tokens:
             out[q.shape[0] - meta.num_padding_tokens :] = _padding_output(v, q.shape[1], meta)
         return out
@@ -171,6 +186,12 @@ class TorchSdpaAttention:
     @staticmethod
     def _write_kv(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         write_kv(k, v, k_cache, v_cache, meta)
+
+    def _prefill_chunks(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+        """Write every prefill chunk's attention into its rows of ``out``."""
+        for span in meta.prefills:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            out[rows] = self._prefill(q[rows], k_cache, v_cache, span, scale)
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -232,27 +253,21 @@ class CpuKernelAttention(TorchSdpaAttention):
         self._paged_prefill = kernels.paged_prefill if kernels.has_prefill_kernel() else None
         self._kv_write = kernels.kv_write
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        if not meta.prefills and not meta.num_padding_tokens:
-            # Decodes only (most steps): the kernel's output is the whole result, no copy.
-            self._write_kv(k, v, k_cache, v_cache, meta)
-            return self._decode(q, k_cache, v_cache, meta, scale)
-        if not meta.prefills or not self._prefill_fits(q, k_cache):
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
-        self._write_kv(k, v, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
-        d = meta.num_decode_tokens
-        if d:
-            out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
-        starts, q_lens, ctx_lens, tables = meta.prefill_layout()
-        first = meta.prefills[0].query_start
-        end = first + int(sum(p.query_len for p in meta.prefills))
-        out[first:end] = self._paged_prefill(
-            q[first:end], k_cache, v_cache, tables, starts, q_lens, ctx_lens, scale
+    def _prefill_chunks(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+        if not self._prefill_fits(q, k_cache):
+            super()._prefill_chunks(q, k_cache, v_cache, meta, scale, out)
+            return
+        layout = meta.prefill_layout()
+        out[layout.rows] = self._paged_prefill(
+            q[layout.rows],
+            k_cache,
+            v_cache,
+            layout.block_tables,
+            layout.starts,
+            layout.query_lens,
+            layout.context_lens,
+            scale,
         )
-        if meta.num_padding_tokens:
-            out[q.shape[0] - meta.num_padding_tokens :] = _padding_output(v, q.shape[1], meta)
-        return out
 
     def _write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         if k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:

@@ -27,6 +27,18 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+# Sizes no model can be built with at zero (a layerless model would also have no residual stream).
+_POSITIVE_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -48,6 +60,11 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in _POSITIVE_SIZES:
+            if getattr(self, name) < 1:
+                raise ModelConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def eos_token_id(self) -> int | None:

@@ -32,7 +32,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param(size, dtype=dtype, device=device)
         self.kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
-
         self.add_kernel: AddNormKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,9 +154,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta, self.backend)
-        if residual is None:  # no layers
-            return self.norm(x)
-        return self.norm.add_forward(x, residual)[0]
+        return self.norm.add_forward(x, residual)[0]  # ModelConfig guarantees a layer
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
