@@ -25,14 +25,14 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 from jitney.bench.compare import headline_errors
-from jitney.bench.datasets import BenchRequest, TokenSpace, as_traffic
+from jitney.bench.datasets import BenchRequest, LengthDist, TokenSpace, as_traffic, random_requests
 from jitney.request import SamplingParams
 
 
@@ -197,6 +197,18 @@ def split_rows(rows: list[dict], holdout: float, seed: int = 0) -> tuple[list[di
     return [rows[i] for i in train], [rows[i] for i in test]
 
 
+def poisson_traffic(
+    num: int, input_len: LengthDist, output_len: LengthDist, rate: float, seed: int, tokens: TokenSpace
+) -> list[BenchRequest]:
+    """Random requests with Poisson arrivals at ``rate``, lengths and arrivals drawn from ``seed``:
+    the validation traffic, and (with another seed) the training traffic of the serving fit."""
+    from jitney.bench.serve import arrival_offsets
+
+    requests = random_requests(num, input_len, output_len, seed=seed, tokens=tokens)
+    offsets = arrival_offsets(len(requests), rate, seed=seed)
+    return [replace(r, arrival=t) for r, t in zip(requests, offsets, strict=True)]
+
+
 def _tuples(rows: list[dict]) -> list[tuple[int, int, int, float]]:
     return [(r["prefill_tokens"], r["decode_tokens"], r["context_tokens"], r["ms"]) for r in rows]
 
@@ -313,9 +325,7 @@ def fit_serving_overhead(rows: list[dict], max_gap_ms: float = 250.0) -> Serving
 
 def with_serving_overhead(cost, overhead: ServingOverhead):
     """The profile cost model with the serving overhead added to every step."""
-    from dataclasses import replace as dc_replace
-
-    return dc_replace(
+    return replace(
         cost,
         intercept_ms=cost.intercept_ms + overhead.intercept_ms,
         ms_per_decode_token=cost.ms_per_decode_token + overhead.ms_per_decode_token,

@@ -281,8 +281,7 @@ def serve_section(cfg: SuiteConfig) -> str:
 def calibration_section(cfg: SuiteConfig) -> str:
     from jitney.bench import calibrate as cal
     from jitney.bench.compare import HEADLINE
-    from jitney.bench.datasets import LengthDist, TokenSpace, random_requests
-    from jitney.bench.serve import arrival_offsets
+    from jitney.bench.datasets import LengthDist, TokenSpace
 
     model_dir = _model_dir(cfg)
     settings = _engine_settings(cfg, model_dir)
@@ -293,25 +292,11 @@ def calibration_section(cfg: SuiteConfig) -> str:
     profiled = cal.profile_engine(settings, grid, seed=cfg.seed)
     cal.write_jsonl(profiled.rows, cfg.cache_dir / "profile.jsonl")
     cost, held = cal.fit_profile(profiled.rows, 0.25, cfg.seed)
-    reqs = random_requests(
-        cfg.serve_prompts,
-        LengthDist.parse(cfg.serve_input),
-        LengthDist.parse(cfg.serve_output),
-        seed=cfg.seed + 1,
-        tokens=TokenSpace(vocab_size=profiled.vocab_size),
-    )
-    offsets = arrival_offsets(len(reqs), cfg.serve_rate, seed=cfg.seed + 1)
-    reqs = [replace(r, arrival=t) for r, t in zip(reqs, offsets, strict=True)]
-    # Training traffic for the serving overhead: same distributions, another seed.
-    train = random_requests(
-        cfg.serve_prompts,
-        LengthDist.parse(cfg.serve_input),
-        LengthDist.parse(cfg.serve_output),
-        seed=cfg.seed + 2,
-        tokens=TokenSpace(vocab_size=profiled.vocab_size),
-    )
-    train_offsets = arrival_offsets(len(train), cfg.serve_rate, seed=cfg.seed + 2)
-    train = [replace(r, arrival=t) for r, t in zip(train, train_offsets, strict=True)]
+    lengths = LengthDist.parse(cfg.serve_input), LengthDist.parse(cfg.serve_output)
+    tokens = TokenSpace(vocab_size=profiled.vocab_size)
+    reqs = cal.poisson_traffic(cfg.serve_prompts, *lengths, cfg.serve_rate, cfg.seed + 1, tokens)
+    # Training traffic for the serving fit: same distributions and rate, another seed.
+    train = cal.poisson_traffic(cfg.serve_prompts, *lengths, cfg.serve_rate, cfg.seed + 2, tokens)
     report = cal.calibrate_and_validate(
         settings, train, reqs, cost, cfg.cache_dir / "serve_steps.jsonl", seed=cfg.seed
     )

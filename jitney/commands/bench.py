@@ -416,13 +416,11 @@ def _register_profile(sub: argparse._SubParsersAction) -> None:
 
 def _run_profile(args: argparse.Namespace) -> int:
     import json
-    from dataclasses import replace
     from pathlib import Path
 
     from jitney.bench import calibrate as cal
     from jitney.bench.compare import DEFAULT_FIELDS, compare, format_compare
-    from jitney.bench.datasets import LengthDist, TokenSpace, random_requests
-    from jitney.bench.serve import arrival_offsets
+    from jitney.bench.datasets import LengthDist, TokenSpace
     from jitney.model.registry import resolve_model
 
     if not 0 < args.holdout < 1:
@@ -468,25 +466,11 @@ def _run_profile(args: argparse.Namespace) -> int:
     }
     if not args.no_validate:
         vocab = profiled.vocab_size
-        reqs = random_requests(
-            args.num_prompts,
-            input_len,
-            output_len,
-            seed=args.seed,
-            tokens=TokenSpace(vocab_size=vocab, first_id=min(10, vocab - 1)),
-        )
-        offsets = arrival_offsets(len(reqs), args.request_rate, seed=args.seed)
-        reqs = [replace(r, arrival=t) for r, t in zip(reqs, offsets, strict=True)]
-        # The serving overhead is fitted on other traffic: same distributions and rate, next seed.
-        train = random_requests(
-            args.num_prompts,
-            input_len,
-            output_len,
-            seed=args.seed + 1,
-            tokens=TokenSpace(vocab_size=vocab, first_id=min(10, vocab - 1)),
-        )
-        train_offsets = arrival_offsets(len(train), args.request_rate, seed=args.seed + 1)
-        train = [replace(r, arrival=t) for r, t in zip(train, train_offsets, strict=True)]
+        tokens = TokenSpace(vocab_size=vocab, first_id=min(10, vocab - 1))
+        traffic = (args.num_prompts, input_len, output_len, args.request_rate)
+        reqs = cal.poisson_traffic(*traffic, args.seed, tokens)
+        # The serving fit uses other traffic: same distributions and rate, the next seed.
+        train = cal.poisson_traffic(*traffic, args.seed + 1, tokens)
         step_log = Path(args.out).with_suffix(".serve_steps.jsonl")
         report = cal.calibrate_and_validate(settings, train, reqs, cost, step_log, seed=args.seed)
         print(f"\n{report.overhead.describe()} (training run's step log: {step_log})")
