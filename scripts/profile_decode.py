@@ -16,6 +16,7 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 from jitney import LLM, SamplingParams
+from jitney.bench.step_floor import prefill_everything
 
 
 def main() -> None:
@@ -34,10 +35,7 @@ def main() -> None:
     engine = llm.engine
     for p in prompts:
         engine.add_request(engine.make_request(p, params))
-    while engine.scheduler.num_waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-    ):
-        engine.step()
+    prefill_everything(engine)
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):

@@ -34,6 +34,15 @@ class StepFloor:
         return self.floor_ms / self.measured_ms
 
 
+def prefill_everything(engine) -> None:
+    """Step until no request is waiting or still has prompt left: the next steps are pure decodes."""
+    scheduler = engine.scheduler
+    while scheduler.num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
+    ):
+        engine.step()
+
+
 def decode_step_ms(llm, batch: int, context: int, steps: int, seed: int = 0) -> float:
     """Median wall time of ``steps`` pure decode steps of ``batch`` requests at ``context``."""
     from jitney import SamplingParams
@@ -44,11 +53,7 @@ def decode_step_ms(llm, batch: int, context: int, steps: int, seed: int = 0) -> 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(engine.make_request([rng.randrange(vocab) for _ in range(context)], params))
-    scheduler = engine.scheduler
-    while scheduler.num_waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
-    ):
-        engine.step()
+    prefill_everything(engine)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
