@@ -87,7 +87,8 @@ fi
     --model "$MODEL_DIR" --runs "$RUNS" --engines $ENGINES --out "$RESULTS" \
     --num-requests "$NUM_REQUESTS" --timeout "$TIMEOUT" \
     --vllm-python "$PEERS_PY" --vllm-script "$ROOT/scripts/peers_vllm.py" \
-    --vllm-preload "$PRELOAD" --jitney-python "$MAIN_PY"
+    --vllm-preload "$PRELOAD" --jitney-python "$MAIN_PY" --doc "$ROOT/docs/BENCHMARKS.md"
 
 # 5. jitney's decode step against this machine's roofline floor, measured now.
-"$MAIN_PY" -m jitney.bench.step_floor --model "$MODEL_DIR" --json "$ROOT/.cache/step_floor.json"
+"$MAIN_PY" -m jitney.bench.step_floor --model "$MODEL_DIR" --json "$ROOT/.cache/step_floor.json" \
+    --doc "$ROOT/docs/BENCHMARKS.md"

@@ -120,6 +120,37 @@ def test_summary_with_one_engine_has_no_ratio_column() -> None:
     assert "jitney" not in peers.markdown_table(summary, {"vllm": 1})
 
 
+def test_report_rewrites_only_the_marked_section_from_the_results_json(tmp_path, capsys) -> None:
+    from dataclasses import asdict
+
+    results = {
+        "vllm": [_result("vllm", 100, 0.4), _result("vllm", 120, 0.5)],
+        "jitney": [_result("jitney", 300, 0.1)],
+    }
+    document = {**peers.summarise(results), "runs": {e: [asdict(r) for r in rs] for e, rs in results.items()}}
+    document["date"], document["commit"] = "2026-11-29 23:00 UTC", "abc1234"
+    json_path = tmp_path / "results.json"
+    json_path.write_text(json.dumps(document))
+    doc = tmp_path / "BENCH.md"
+    doc.write_text("intro\n<!-- peers:begin -->\nold table\n<!-- peers:end -->\nprose after\n")
+    assert peers.main(["report", "--results", str(json_path), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("intro\n<!-- peers:begin -->\n| figure (median) |") and text.endswith(
+        "<!-- peers:end -->\nprose after\n"
+    )
+    assert "old table" not in text and "| output tok/s | 110.0 | 300.0 | 2.73 (higher is better) |" in text
+    assert (
+        "- vllm run to run: output tok/s 100.0-120.0" in text
+        and "- measured 2026-11-29 23:00 UTC abc1234" in text
+    )
+    # Rewriting again changes nothing: the markers stay, the section is replaced, not appended.
+    assert peers.main(["report", "--results", str(json_path), "--doc", str(doc)]) == 0
+    assert doc.read_text() == text
+    doc.write_text("no markers here\n")
+    assert peers.main(["report", "--results", str(json_path), "--doc", str(doc)]) == 2
+    assert "needs one '<!-- peers:begin -->' line" in capsys.readouterr().err
+
+
 def test_result_line_round_trips() -> None:
     result = _result("vllm", 123.0, 0.25)
     stdout = f'INFO starting\n{{"not": "a result"}}\n{result.to_line()}\nINFO shutting down\n'

@@ -25,6 +25,10 @@ def test_step_floor_times_decode_steps_and_states_the_fraction(tiny_checkpoint, 
     assert "| 3 | 24 |" in capsys.readouterr().out
 
 
-def test_step_floor_refuses_bad_arguments(tmp_path, capsys):
+def test_step_floor_refuses_bad_arguments(tiny_checkpoint, tmp_path, capsys):
     assert main(["--model", str(tmp_path)]) == 2
     assert "has no config.json" in capsys.readouterr().err
+    doc = tmp_path / "no-markers.md"
+    doc.write_text("text\n")
+    assert main(["--model", str(tiny_checkpoint("llama")), "--doc", str(doc)]) == 2
+    assert "step-floor:begin" in capsys.readouterr().err

@@ -10,6 +10,8 @@ Subcommands (``python -m jitney.bench.peers ...``):
   workload  print the workload's totals (a check that the generator is the documented one)
   jitney    measure jitney in this process and print one JSON result line
   compare   run the engines alternating, N times, and print/write medians and ratios
+            (``--doc FILE``: also into FILE's ``<!-- peers:begin -->`` ... ``<!-- peers:end -->``)
+  report    rewrite that section of FILE from a results JSON that ``compare`` wrote
 """
 
 from __future__ import annotations
@@ -579,6 +581,66 @@ def markdown_table(summary: dict, runs: dict[str, int]) -> str:
     return "\n".join(lines)
 
 
+def split_marked_section(text: str, name: str) -> tuple[str, str]:
+    """(text before ``<!-- name:begin -->`` and that line, ``<!-- name:end -->`` and what follows)."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"needs one '{begin}' line followed by one '{end}' line")
+    head, rest = text.split(begin, 1)
+    return head + begin, end + rest.split(end, 1)[1]
+
+
+def write_marked_section(path: Path, name: str, body: str) -> None:
+    """Replace what lies between the ``name`` markers in ``path``: the generated figures sit
+    inside hand-written prose."""
+    head, tail = split_marked_section(path.read_text(), name)
+    path.write_text(f"{head}\n{body.strip()}\n{tail}")
+
+
+def _span(values: Sequence[float], fmt: str) -> str:
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return low if low == high else f"{low}-{high}"
+
+
+def doc_section(document: dict) -> str:
+    """The markdown ``compare`` publishes: the medians table, each engine's run-to-run range of the
+    headline figures, and how busy the machine was."""
+    runs = {engine: [EngineResult.from_dict(r) for r in rs] for engine, rs in document["runs"].items()}
+    lines = [markdown_table(document, {engine: len(rs) for engine, rs in runs.items()}), ""]
+    for engine, rs in runs.items():
+        if not rs:
+            continue
+        output = _span([r.output_tok_s for r in rs], "{:.1f}")
+        decode = _span([r.decode_tok_s for r in rs], "{:.1f}")
+        ttft = _span([r.ttft_s for r in rs], "{:.3f}")
+        others = _span([100 * (r.others_cpu_share or 0) for r in rs], "{:.0f}")
+        lines.append(
+            f"- {engine} run to run: output tok/s {output}, batch-1 decode {decode} tok/s, TTFT {ttft} s; "
+            f"other processes used {others}% of the CPUs"
+        )
+    stamp = " ".join(str(document[key]) for key in ("date", "commit") if document.get(key))
+    if stamp:
+        lines.append(f"- measured {stamp}")
+    return "\n".join(lines)
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def report(args: argparse.Namespace) -> int:
+    document = json.loads(Path(args.results).read_text())
+    write_marked_section(Path(args.doc), "peers", doc_section(document))
+    print(f"wrote the peers section of {args.doc} from {args.results}")
+    return 0
+
+
 def compare(args: argparse.Namespace) -> int:
     model_dir = Path(args.model)
     shape = (args.single_prompt_tokens, args.single_output_tokens)
@@ -627,6 +689,8 @@ def compare(args: argparse.Namespace) -> int:
             "model": str(model_dir),
         },
         "machine": {"cpus": os.cpu_count(), "load_average_at_end": list(os.getloadavg())},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": _git_commit(),
         **summary,
         "runs": {engine: [asdict(r) for r in runs] for engine, runs in results.items()},
         "errors": errors,
@@ -646,6 +710,9 @@ def compare(args: argparse.Namespace) -> int:
             "run(s); with threads on every core such figures measure contention, not the engines"
         )
     print(f"\nJSON written to {args.out}")
+    if args.doc:
+        write_marked_section(Path(args.doc), "peers", doc_section(document))
+        print(f"figures written into {args.doc}")
     if errors:
         print("errors:\n  " + "\n  ".join(errors))
     return 0 if all(results.values()) else 1
@@ -702,6 +769,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--vllm-script", default="scripts/peers_vllm.py")
     cmp.add_argument("--vllm-preload", default="", help="LD_PRELOAD for the vLLM process")
     cmp.add_argument("--jitney-python", default=sys.executable)
+    cmp.add_argument("--doc", type=Path, default=None, help="markdown file with a peers section to rewrite")
+
+    rep = sub.add_parser("report", help="rewrite a markdown file's peers section from a results JSON")
+    rep.add_argument("--results", type=Path, default=Path(".cache/peers_results.json"))
+    rep.add_argument("--doc", type=Path, required=True)
     return parser
 
 
@@ -723,6 +795,14 @@ def main(argv: list[str] | None = None) -> int:
         prompt, output = workload_totals(make_workload(args.vocab_size, args.num_requests))
         print(json.dumps({"prompt_tokens": prompt, "output_tokens": output}))
         return 0
+    try:
+        if getattr(args, "doc", None) is not None:
+            split_marked_section(Path(args.doc).read_text(), "peers")  # before, not after, the runs
+        if args.command == "report":
+            return report(args)
+    except (OSError, ValueError) as exc:
+        print(f"error: {getattr(args, 'doc', '')}: {exc}", file=sys.stderr)
+        return 2
     if args.command == "jitney":
         shape = (args.single_prompt_tokens, args.single_output_tokens)
         print(run_jitney(args.model, args.num_requests, shape).to_line(), flush=True)

@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from jitney.bench.peers import split_marked_section, write_marked_section
+
 
 @dataclass(frozen=True)
 class StepFloor:
@@ -107,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument(
+        "--doc", type=Path, default=None, help="markdown file with a step-floor section to rewrite"
+    )
     args = parser.parse_args(argv)
     if not (Path(args.model) / "config.json").is_file():
         print(f"error: {args.model} has no config.json", file=sys.stderr)
@@ -114,22 +119,39 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.batches) < 1 or args.context < 1 or args.steps < 1:
         print("error: --batches, --context and --steps must be >= 1", file=sys.stderr)
         return 2
+    if args.doc is not None:
+        try:  # before measuring, not after
+            split_marked_section(args.doc.read_text(), "step-floor")
+        except (OSError, ValueError) as exc:
+            print(f"error: {args.doc}: {exc}", file=sys.stderr)
+            return 2
     rows, machine = measure(args.model, args.batches, args.context, args.steps)
-    print(
-        f"this machine: {machine['bandwidth_gb_s']:.1f} GB/s copy bandwidth, "
-        f"{machine['bf16_tflop_s']:.3f} TFLOP/s bf16 matmul"
-    )
-    print("| batch | context | jitney step (ms) | roofline floor (ms) | bound | floor / step |")
-    print("|---:|---:|---:|---:|---|---:|")
-    for row in rows:
-        print(
-            f"| {row.batch} | {row.context} | {row.measured_ms:.2f} | {row.floor_ms:.2f} | {row.bound} "
-            f"| {row.fraction:.0%} |"
-        )
+    text = markdown(rows, machine)
+    print(text)
     if args.json:
         record = {"machine": machine, "steps": [asdict(r) | {"fraction": r.fraction} for r in rows]}
         args.json.write_text(json.dumps(record, indent=2) + "\n")
+    if args.doc is not None:
+        write_marked_section(args.doc, "step-floor", text)
     return 0
+
+
+def markdown(rows: list[StepFloor], machine: dict) -> str:
+    lines = [
+        "| batch | context | jitney step (ms) | roofline floor (ms) | bound | floor / step |",
+        "|---:|---:|---:|---:|---|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.batch} | {row.context} | {row.measured_ms:.2f} | {row.floor_ms:.2f} | {row.bound} "
+            f"| {row.fraction:.0%} |"
+        )
+    lines += [
+        "",
+        f"This machine, measured in the same process: {machine['bandwidth_gb_s']:.1f} GB/s copy bandwidth, "
+        f"{machine['bf16_tflop_s']:.3f} TFLOP/s bf16 matmul.",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
