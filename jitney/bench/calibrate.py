@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
@@ -34,6 +35,9 @@ import numpy as np
 from jitney.bench.compare import headline_errors
 from jitney.bench.datasets import BenchRequest, LengthDist, TokenSpace, as_traffic, random_requests
 from jitney.request import SamplingParams
+
+if TYPE_CHECKING:
+    from jitney.sim.costs import ProfileCost
 
 
 @dataclass(frozen=True)
@@ -472,7 +476,7 @@ class CalibrationReport:
     they run inside the server, next to its HTTP work and the load generator on the same cores)."""
 
     overhead: ServingOverhead
-    served_fit: object  # ProfileCost fitted on the training run's logged steps
+    served_fit: ProfileCost  # fitted on the training run's logged steps
     served_held_out: HeldOutError
     offline: Validation
     with_overhead: Validation
