@@ -134,8 +134,19 @@ def _reference_decode(q, k_cache, v_cache, tables, lens, scale):
 
 @pytest.mark.parametrize(
     ("head_dim", "block", "num_heads", "kv_heads"),
-    [(64, 16, 9, 3), (64, 32, 4, 4), (128, 16, 16, 2), (64, 16, 8, 1), (32, 16, 4, 2)],
-    ids=["smollm2", "block32", "d128", "mqa", "portable-d32"],
+    [
+        (64, 16, 9, 3),
+        (64, 32, 4, 4),
+        (128, 16, 16, 2),
+        (64, 16, 8, 1),
+        (64, 16, 14, 2),
+        (128, 16, 12, 1),
+        (64, 16, 11, 1),
+        (32, 16, 4, 2),
+    ],
+    ids=[
+        "smollm2", "block32", "d128", "mqa", "group7", "group12-two-tasks", "group11-one-head-tasks", "portable-d32"
+    ],
 )
 def test_compiled_decode_kernel_matches_float32_reference(head_dim, block, num_heads, kv_heads):
     """The vectorised bf16 path (head size 64/128, blocks of 16k rows) and the portable loop agree
@@ -166,3 +177,28 @@ def test_compiled_decode_kernel_matches_float32_reference(head_dim, block, num_h
     # Length 1: the softmax weight is exactly 1, the output is that row's V (rounded once).
     v_first = v_cache[tables[0, 0], :, 0].repeat_interleave(num_heads // kv_heads, dim=0)
     torch.testing.assert_close(got[0].float(), v_first.float(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("num_heads", "kv_heads"), [(9, 3), (12, 1)], ids=["one-task-per-group", "two-tasks-per-group"])
+def test_compiled_decode_kernel_ignores_rows_past_the_context(num_heads, kv_heads):
+    """A last block's rows past the context hold whatever an earlier request left there; the
+    kernel scores whole tiles, so a NaN there must be masked out, not summed in."""
+    from jitney.model.cpu_kernels import load_kernels
+
+    kernels = load_kernels()
+    if kernels is None:
+        pytest.skip("the CPU paged-attention kernel cannot be built here")
+    gen = torch.Generator().manual_seed(11)
+    block, head_dim, lens = 16, 64, torch.tensor([3, 21, 40])
+    tables = torch.tensor([[0, 0, 0], [1, 2, 0], [3, 4, 5]])
+    k_cache = torch.randn(6, kv_heads, block, head_dim, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(6, kv_heads, block, head_dim, generator=gen).to(torch.bfloat16)
+    for s, n in enumerate(lens.tolist()):
+        last = tables[s, (n - 1) // block]
+        k_cache[last, :, n % block or block :] = float("nan")
+        v_cache[last, :, n % block or block :] = float("nan")
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    got = kernels.paged_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    assert torch.isfinite(got.float()).all()
+    expected = _reference_decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=4e-3)

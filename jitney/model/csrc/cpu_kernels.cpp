@@ -133,19 +133,43 @@ static inline void prefetch_tile(const at::BFloat16* tile, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-// One pass over a sequence's blocks per (sequence, KV head) task, with the online softmax: each
-// 16-row tile of K is scored for the whole query group with bf16 dot-product instructions
-// (float32 sums), and the same tile of V is accumulated in float32 at once, so K and V are read
-// exactly once and the next block is prefetched while this one is computed.
-template <int D>
-static void decode_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
-                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                               const torch::Tensor& context_lens, torch::Tensor& out, double scale) {
+// Lane-wise sums of 16 vectors in one vector, 45 shuffles and adds instead of 16 horizontal sums:
+// halves, then quarters, then in-lane pairs are folded together. Lane 4k + j of the result is the
+// sum of v[4j + k], so a caller that stores row r at v[4 * (r % 4) + r / 4] gets row r at lane r.
+static inline __m512 fold16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+  const __m512 y0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+  const __m512 y1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+  const __m512d y0d = _mm512_castps_pd(y0), y1d = _mm512_castps_pd(y1);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(y0d, y1d)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(y0d, y1d)));
+}
+
+// Decode attention, G query heads at a time: one pass over a sequence's blocks per (sequence, KV
+// head, G of its group's query heads) task, with the online softmax and the G output rows in
+// registers. G is the group itself for groups of up to 8 heads (every model in sight); larger
+// groups are split into chunks, each of which reads the KV head's blocks again.
+// Per 16-row tile: each head's 16 scores are bf16 dot products folded into one vector (no
+// horizontal sum per row); each V row is widened in registers (bf16 is a float32's high half: the
+// even elements are a shift, the odd ones a mask, so the accumulators hold even and odd elements
+// apart until the end) and accumulated by every head of the group. The tiles two blocks ahead are
+// prefetched, across the boundary into the thread's next task too: the kernel is bound by how
+// fast scattered 2 KiB tiles arrive, and a task's first blocks would otherwise arrive cold.
+template <int D, int G>
+static void decode_bf16_grouped(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                const torch::Tensor& context_lens, torch::Tensor& out, double scale) {
   constexpr int QV = D / 32;  // bf16 vectors per head row
-  constexpr int AV = D / 16;  // float32 vectors per head row
+  constexpr int AHEAD = 2;    // blocks prefetched ahead (1 is slower here, 3-5 no faster)
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t group = num_heads / kv_heads, max_blocks = block_tables.size(1);
+  const int64_t max_blocks = block_tables.size(1), chunks = num_heads / kv_heads / G;
   const at::BFloat16* qp = q.data_ptr<at::BFloat16>();
   const at::BFloat16* kp = k_cache.data_ptr<at::BFloat16>();
   const at::BFloat16* vp = v_cache.data_ptr<at::BFloat16>();
@@ -153,32 +177,42 @@ static void decode_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_ca
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512 no_score = _mm512_set1_ps(-1e30f);  // rows past the context (finite: -ffast-math)
   const int64_t tile_bytes = block_size * D * static_cast<int64_t>(sizeof(at::BFloat16));
-  const int64_t tasks = num_seqs * kv_heads;
-
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> acc(group * AV);
-    std::vector<float> peak(group), total(group);
-    alignas(64) float scores[16], probs[16 * 16], vf[16 * D];
+  at::parallel_for(0, num_seqs * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float probs[G * 16];
+    alignas(64) float parity_split[2 * QV * 16];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const int64_t s = task / (kv_heads * chunks), h = task / chunks % kv_heads;
       const int64_t len = lens[s];
       const int64_t num_blocks = (len + block_size - 1) / block_size;
       const int64_t* table = tables + s * max_blocks;
-      __m512bh qv[16][QV];
-      for (int64_t g = 0; g < group; ++g) {
-        const at::BFloat16* qrow = qp + (s * num_heads + h * group + g) * D;
-        for (int i = 0; i < QV; ++i) qv[g][i] = (__m512bh)_mm512_loadu_si512(qrow + 32 * i);
-        for (int i = 0; i < AV; ++i) acc[g * AV + i] = _mm512_setzero_ps();
-        peak[g] = -INFINITY;
-        total[g] = 0.f;
+      // Tasks run through a sequence's query heads in order: the first of this task's G heads.
+      const int64_t first_head = task % (kv_heads * chunks) * G;
+      const at::BFloat16* qrow = qp + (s * num_heads + first_head) * D;
+      __m512 acc[G][2 * QV];  // per head: even and odd elements of each 32-wide chunk of its row
+      __m512 total[G];
+      float peak[G];
+      for (int g = 0; g < G; ++g) {
+        for (int i = 0; i < 2 * QV; ++i) acc[g][i] = _mm512_setzero_ps();
+        total[g] = _mm512_setzero_ps();
+        peak[g] = -1e30f;
       }
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t offset = (table[b] * kv_heads + h) * block_size * D;
-        if (b + 1 < num_blocks) {
-          const int64_t next = (table[b + 1] * kv_heads + h) * block_size * D;
-          prefetch_tile(kp + next, tile_bytes);
-          prefetch_tile(vp + next, tile_bytes);
+        if (b + AHEAD < num_blocks) {
+          const int64_t ahead = (table[b + AHEAD] * kv_heads + h) * block_size * D;
+          prefetch_tile(kp + ahead, tile_bytes);
+          prefetch_tile(vp + ahead, tile_bytes);
+        } else if (task + 1 < end) {  // the thread's next task, which starts cold otherwise
+          const int64_t ns = (task + 1) / (kv_heads * chunks), nh = (task + 1) / chunks % kv_heads;
+          const int64_t nb = b + AHEAD - num_blocks;
+          if (nb * block_size < lens[ns]) {
+            const int64_t ahead = (tables[ns * max_blocks + nb] * kv_heads + nh) * block_size * D;
+            prefetch_tile(kp + ahead, tile_bytes);
+            prefetch_tile(vp + ahead, tile_bytes);
+          }
         }
         const int64_t block_rows = std::min(block_size, len - b * block_size);
         for (int64_t r0 = 0; r0 < block_rows; r0 += 16) {
@@ -186,71 +220,93 @@ static void decode_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_ca
           const __mmask16 valid = static_cast<__mmask16>((1u << rows) - 1u);
           const at::BFloat16* ktile = kp + offset + r0 * D;
           const at::BFloat16* vtile = vp + offset + r0 * D;
-          for (int64_t g = 0; g < group; ++g) {
-            for (int r = 0; r < rows; ++r) {
+          for (int g = 0; g < G; ++g) {
+            __m512bh qv[QV];
+            for (int i = 0; i < QV; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(qrow + g * D + 32 * i);
+            __m512 dots[16];
+            for (int r = 0; r < 16; ++r) {  // rows past the context are scored too, then masked
               __m512 dot = _mm512_setzero_ps();
               for (int i = 0; i < QV; ++i)
-                dot = _mm512_dpbf16_ps(dot, qv[g][i], (__m512bh)_mm512_loadu_si512(ktile + r * D + 32 * i));
-              scores[r] = _mm512_reduce_add_ps(dot);
+                dot = _mm512_dpbf16_ps(dot, qv[i], (__m512bh)_mm512_loadu_si512(ktile + r * D + 32 * i));
+              dots[4 * (r % 4) + r / 4] = dot;
             }
-            const __m512 sv = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, scores), vscale);
-            const float tile_peak = _mm512_mask_reduce_max_ps(valid, sv);
-            const float new_peak = std::max(peak[g], tile_peak);
-            const __m512 shifted = _mm512_sub_ps(sv, _mm512_set1_ps(new_peak));
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(shifted));
-            if (new_peak != peak[g]) {
-              const float correction = std::exp(peak[g] - new_peak);  // 0 on the first tile
-              total[g] *= correction;
-              const __m512 c = _mm512_set1_ps(correction);
-              for (int i = 0; i < AV; ++i) acc[g * AV + i] = _mm512_mul_ps(acc[g * AV + i], c);
-              peak[g] = new_peak;
+            const __m512 sv = _mm512_mask_mov_ps(no_score, valid, _mm512_mul_ps(fold16(dots), vscale));
+            // Rescale only when a score passes the running peak (rare after the first tiles).
+            if (_mm512_cmp_ps_mask(sv, _mm512_set1_ps(peak[g]), _CMP_GT_OQ)) {
+              const float tile_peak = _mm512_reduce_max_ps(sv);
+              const __m512 c = _mm512_set1_ps(std::exp(peak[g] - tile_peak));  // 0 on the first tile
+              for (int i = 0; i < 2 * QV; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], c);
+              total[g] = _mm512_mul_ps(total[g], c);
+              peak[g] = tile_peak;
             }
-            total[g] += _mm512_reduce_add_ps(p);
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(peak[g]))));
+            total[g] = _mm512_add_ps(total[g], p);
             _mm512_store_ps(probs + 16 * g, p);
           }
-          // V: widened once into a float32 tile (it stays in L1), then each query head of the
-          // group accumulates over it with its output in registers.
-          for (int r = 0; r < rows; ++r)
-            _Pragma("GCC unroll 8") for (int i = 0; i < AV; ++i)
-              _mm512_store_ps(vf + r * D + 16 * i, load_bf16_as_f32(vtile + r * D + 16 * i));
-          for (int64_t g = 0; g < group; ++g) {
-            __m512 ov[AV];
-            _Pragma("GCC unroll 8") for (int i = 0; i < AV; ++i) ov[i] = acc[g * AV + i];
-            for (int r = 0; r < rows; ++r) {
-              const __m512 w = _mm512_set1_ps(probs[16 * g + r]);
-              _Pragma("GCC unroll 8") for (int i = 0; i < AV; ++i)
-                ov[i] = _mm512_fmadd_ps(w, _mm512_load_ps(vf + r * D + 16 * i), ov[i]);
+          for (int r = 0; r < rows; ++r) {
+            __m512 even[QV], odd[QV];
+            for (int i = 0; i < QV; ++i) {
+              const __m512i raw = _mm512_loadu_si512(vtile + r * D + 32 * i);
+              even[i] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+              odd[i] = _mm512_castsi512_ps(_mm512_and_si512(raw, high_half));
             }
-            _Pragma("GCC unroll 8") for (int i = 0; i < AV; ++i) acc[g * AV + i] = ov[i];
+            for (int g = 0; g < G; ++g) {
+              const __m512 w = _mm512_set1_ps(probs[16 * g + r]);
+              for (int i = 0; i < QV; ++i) {
+                acc[g][2 * i] = _mm512_fmadd_ps(w, even[i], acc[g][2 * i]);
+                acc[g][2 * i + 1] = _mm512_fmadd_ps(w, odd[i], acc[g][2 * i + 1]);
+              }
+            }
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const __m512 inv = _mm512_set1_ps(1.f / total[g]);
-        at::BFloat16* orow = op + (s * num_heads + h * group + g) * D;
-        for (int i = 0; i < AV; ++i) {
-          const __m256bh packed = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g * AV + i], inv));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + 16 * i), (__m256i)packed);
-        }
+      for (int g = 0; g < G; ++g) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total[g]));
+        for (int i = 0; i < 2 * QV; ++i) _mm512_store_ps(parity_split + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+        at::BFloat16* orow = op + (s * num_heads + first_head + g) * D;
+        for (int i = 0; i < QV; ++i)
+          for (int j = 0; j < 16; ++j) {
+            orow[32 * i + 2 * j] = static_cast<at::BFloat16>(parity_split[32 * i + j]);
+            orow[32 * i + 2 * j + 1] = static_cast<at::BFloat16>(parity_split[32 * i + 16 + j]);
+          }
       }
     }
   });
 }
 
-// The fast kernel covers bf16 caches whose head size is 64 or 128, blocks a multiple of 16 rows
-// and query groups of at most 16 heads; anything else takes the portable loop below.
+template <int D>
+static void decode_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                        torch::Tensor& out, double scale) {
+  const int64_t group = q.size(1) / k_cache.size(1);
+  int64_t heads_per_task = 8;  // the largest divisor of the group up to 8
+  while (group % heads_per_task) --heads_per_task;
+  switch (heads_per_task) {
+    case 1: return decode_bf16_grouped<D, 1>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+    case 2: return decode_bf16_grouped<D, 2>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+    case 3: return decode_bf16_grouped<D, 3>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+    case 4: return decode_bf16_grouped<D, 4>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+    case 5: return decode_bf16_grouped<D, 5>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+    case 6: return decode_bf16_grouped<D, 6>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+    case 7: return decode_bf16_grouped<D, 7>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+    default: return decode_bf16_grouped<D, 8>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+  }
+}
+
+// The fast kernel covers bf16 caches whose head size is 64 or 128 and blocks a multiple of 16
+// rows; anything else takes the portable loop below.
 static bool decode_fast(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                         const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                         torch::Tensor& out, double scale) {
   if (q.scalar_type() != at::kBFloat16) return false;
   const int64_t head_dim = q.size(2), block_size = k_cache.size(2);
-  if (block_size % 16 != 0 || q.size(1) / k_cache.size(1) > 16) return false;
+  if (block_size % 16 != 0) return false;
   if (head_dim == 64) {
-    decode_bf16_avx512<64>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+    decode_bf16<64>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
     return true;
   }
   if (head_dim == 128) {
-    decode_bf16_avx512<128>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+    decode_bf16<128>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
     return true;
   }
   return false;
