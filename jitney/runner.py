@@ -31,7 +31,7 @@ from jitney.model.paged_cache import (
     max_concurrency,
     num_blocks_for_memory,
 )
-from jitney.model.sampler import Sampler
+from jitney.model.sampler import Sampler, greedy_tokens
 from jitney.request import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class _Batch:
 @dataclass
 class StepLogits:
     request_ids: list[str]  # one per row of ``logits`` (decodes first, then prefill chunks)
-    logits: torch.Tensor  # [len(request_ids), vocab] float32
+    logits: torch.Tensor  # [len(request_ids), vocab] in the model's dtype
 
 
 class ModelRunner:
@@ -166,8 +166,8 @@ class ModelRunner:
         )
 
     def compute_logits(self, output: SchedulerOutput) -> StepLogits:
-        """Run the step's forward pass (KV written, state updated) and return the float32 logits of
-        the rows that sample, without sampling. ``execute`` is this plus the sampler."""
+        """Run the step's forward pass (KV written, state updated) and return the logits (model
+        dtype) of the rows that sample, without sampling. ``execute`` is this plus the sampler."""
         self._update_states(output)
         num_padding = output.num_padding_decode_slots + output.num_padding_prefill_tokens
         if not output.chunks and not num_padding:
@@ -280,7 +280,7 @@ class ModelRunner:
         states = [self._requests[r] for r in request_ids]
         if all(_plain_greedy(s) for s in states):
             # Fast path: no logit processing needed, the argmax stays on tensors.
-            return logits.argmax(dim=-1).tolist(), None
+            return greedy_tokens(logits).tolist(), None
         from jitney.model.sampler import SamplingRow
 
         rows = [SamplingRow(s.params, s.num_output_tokens, s.eos_token_id) for s in states]

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jitney.model.sampler import Sampler, SamplingRow, draw_seed, sample
+from jitney.model.sampler import Sampler, SamplingRow, draw_seed, greedy_tokens, sample
 from jitney.request import SamplingParams
 
 EOS = 3
@@ -33,6 +33,16 @@ def test_greedy_rows_take_the_argmax():
     result = sample(logits, [row(temperature=0.0)] * 5)
     assert result.token_ids == logits.argmax(dim=-1).tolist()
     assert result.logprobs is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 40), st.integers(2, 600))
+def test_greedy_tokens_take_the_first_maximum_of_bf16_rows(seed, rows, vocab):
+    """bf16 logits tie often; the greedy pick is the first maximal index, as float32 argmax's."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randint(0, 9, (rows, vocab), generator=gen).float() / 4).to(torch.bfloat16)
+    expected = [row.index(max(row)) for row in logits.float().tolist()]
+    assert greedy_tokens(logits).tolist() == expected
 
 
 def test_min_tokens_suppresses_eos_and_stop_ids_until_reached():

@@ -158,10 +158,12 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype: widening a large batch's rows to float32 costs as much as
+        the greedy argmax itself, so the sampler widens only the rows that need float32 math."""
         if self._packed_lm_head is not None:
-            return packed_linear(hidden, self._packed_lm_head).float()
+            return packed_linear(hidden, self._packed_lm_head)
         weight = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight)
 
     def use_cpu_kernels(self) -> bool:
         """Route RMSNorm (with the residual add before it), SwiGLU's silu-and-multiply and the
