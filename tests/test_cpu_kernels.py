@@ -114,45 +114,53 @@ def test_kv_write_stores_strided_rows_at_their_slots(kernels, dtype):
         kernels.kv_write(k, v, k_cache, v_cache, torch.tensor([160]))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize(("out_features", "in_features"), [(37, 64), (576, 576)], ids=["tail", "square"])
-def test_gemv_matches_float32_linear(kernels, rows, out_features, in_features):
-    if not kernels.has_gemv():
-        pytest.skip("the GEMV kernel needs AVX-512 BF16")
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 256, 300])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(37, 64), (576, 576), (80, 2)], ids=["tail", "square", "one-pair"]
+)
+def test_pairs_linear_matches_float32_linear(kernels, rows, out_features, in_features):
+    """Row counts around the 8-row tiles and the 256-row chunks, column counts that end inside a
+    16-column block and inside a 3-block tile."""
+    from jitney.model.cpu_kernels import pack_pairs
+
+    if not kernels.has_linear_pairs():
+        pytest.skip("the pairs kernel needs AVX-512 BF16")
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
     weight = (torch.randn(out_features, in_features, generator=gen) / 8).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    packed = pack_pairs(weight)
     expected = F.linear(x.float(), weight.float(), bias.float())
-    got = kernels.gemv_bf16(x, weight, bias)
+    got = kernels.linear_pairs(x, packed, out_features, bias)
     assert got.dtype is torch.bfloat16 and got.shape == (rows, out_features)
     # float32 sums of exact bf16 products: only the output's own rounding (relative 2^-8) differs.
     torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2**-8)
-    torch.testing.assert_close(
-        kernels.gemv_bf16(x, weight, None).float(), expected - bias.float(), atol=1e-3, rtol=2**-8
-    )
+    no_bias = kernels.linear_pairs(x, packed, out_features)
+    torch.testing.assert_close(no_bias.float(), expected - bias.float(), atol=1e-3, rtol=2**-8)
 
 
-def test_gemv_refuses_what_it_does_not_cover(kernels):
-    if not kernels.has_gemv():
-        pytest.skip("the GEMV kernel needs AVX-512 BF16")
-    weight = torch.zeros(8, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        kernels.gemv_bf16(torch.zeros(5, 64, dtype=torch.bfloat16), weight, None)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernels.gemv_bf16(
-            torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(8, 48, dtype=torch.bfloat16), None
-        )
+def test_pairs_linear_refuses_mismatched_shapes(kernels):
+    from jitney.model.cpu_kernels import pack_pairs
+
+    if not kernels.has_linear_pairs():
+        pytest.skip("the pairs kernel needs AVX-512 BF16")
+    packed = pack_pairs(torch.zeros(40, 64, dtype=torch.bfloat16))  # 3 blocks of 16 columns
+    with pytest.raises(RuntimeError, match="inputs"):
+        kernels.linear_pairs(torch.zeros(2, 32, dtype=torch.bfloat16), packed, 40)
+    with pytest.raises(RuntimeError, match="n_out"):
+        kernels.linear_pairs(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 49)
+    with pytest.raises(ValueError, match="even input size"):
+        pack_pairs(torch.zeros(8, 33, dtype=torch.bfloat16))
 
 
 def test_the_compiled_path_generates_what_plain_torch_generates(kernels, tiny_checkpoint):
     """bf16, head size 64, widths that are multiples of 32: every compiled kernel is in play
-    (chunked prefill with cached prefixes, decodes, GEMV once the batch shrinks to four, fused
+    (chunked prefill with cached prefixes, decodes, the pairs kernel for every projection, fused
     norms, KV writes). Greedy tokens must agree with the plain-torch backend, except where the two
     top tokens are within bf16 noise of each other; there the logprobs must show that near-tie."""
     from jitney import LLM, SamplingParams
 
-    if not kernels.has_prefill_kernel() or not kernels.has_gemv():
+    if not kernels.has_prefill_kernel() or not kernels.has_linear_pairs():
         pytest.skip("the bf16 kernels need AVX-512 BF16")
     checkpoint = tiny_checkpoint(
         "llama",

@@ -15,7 +15,7 @@ from torch import nn
 
 from jitney.model.attention import AttentionBackend, AttentionMetadata, TorchSdpaAttention
 from jitney.model.config import ModelConfig
-from jitney.model.linear import Linear, pack_weight, packed_linear
+from jitney.model.linear import PAIRS_MAX_ROWS, Linear, PairsKernel, pack_weight, packed_linear
 from jitney.model.rope import RotaryEmbedding, apply_rotary
 
 # (x, residual, weight, eps) -> norm(x + residual); residual updated in place.
@@ -136,6 +136,8 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg, dtype, device)
         self.backend: AttentionBackend = TorchSdpaAttention()
         self._packed_lm_head: torch.Tensor | None = None
+        self._pairs_lm_head: torch.Tensor | None = None
+        self._pairs_kernel: PairsKernel | None = None
 
     @torch.inference_mode()
     def forward(
@@ -160,6 +162,8 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: widening a large batch's rows to float32 costs as much as
         the greedy argmax itself, so the sampler widens only the rows that need float32 math."""
+        if self._pairs_lm_head is not None and hidden.shape[0] <= PAIRS_MAX_ROWS:
+            return self._pairs_kernel(hidden, self._pairs_lm_head, self.config.vocab_size, None)
         if self._packed_lm_head is not None:
             return packed_linear(hidden, self._packed_lm_head)
         weight = self.embed if self.lm_head is None else self.lm_head
@@ -168,13 +172,18 @@ class DecoderModel(nn.Module):
     def use_cpu_kernels(self) -> bool:
         """Route RMSNorm (with the residual add before it), SwiGLU's silu-and-multiply and the
         rotary embedding through the compiled CPU kernels (one pass each instead of several small
-        ops). Returns False, changing nothing, when the kernels are unavailable."""
-        from jitney.model.cpu_kernels import load_kernels
+        ops), and bf16 projections of up to ``PAIRS_MAX_ROWS`` rows (the vocabulary head too)
+        through the pairs kernel. Call before ``pack_weights``. Returns False, changing nothing,
+        when the kernels are unavailable."""
+        from jitney.model.cpu_kernels import load_kernels, pack_pairs
 
         kernels = load_kernels() if self.device.type == "cpu" else None
         if kernels is None:
             return False
-        gemv = kernels.gemv_bf16 if kernels.has_gemv() else None
+        pairs = kernels.linear_pairs if kernels.has_linear_pairs() else None
+        head = self.embed if self.lm_head is None else self.lm_head
+        if pairs is not None and head.dtype == torch.bfloat16 and head.shape[1] % 2 == 0:
+            self._pairs_lm_head, self._pairs_kernel = pack_pairs(head), pairs
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernels.rms_norm
@@ -183,19 +192,17 @@ class DecoderModel(nn.Module):
                 module.silu_mul = kernels.silu_mul
             elif isinstance(module, Attention):
                 module.rotate = kernels.rotary
-            elif isinstance(module, Linear) and gemv is not None:
-                module.use_gemv(gemv)
+            elif isinstance(module, Linear) and pairs is not None:
+                module.use_pairs(pack_pairs, pairs)
         return True
 
     def pack_weights(self) -> bool:
-        """Switch every projection (and the vocabulary head) to oneDNN's prepacked kernels.
-        Returns False, changing nothing, where packing is unavailable (non-CPU device, no oneDNN)."""
-        head = self.embed if self.lm_head is None else self.lm_head
-        packed_head = pack_weight(head)
-        if packed_head is None:
-            return False
-        self._packed_lm_head = packed_head
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()
-        return True
+        """Switch every projection (and the vocabulary head, unless the pairs kernel has it) to
+        oneDNN's prepacked kernels. Returns False, changing nothing, where packing is unavailable
+        (non-CPU device, no oneDNN)."""
+        if self._pairs_lm_head is None:  # else the head's batches (sampled rows) stay small
+            packed_head = pack_weight(self.embed if self.lm_head is None else self.lm_head)
+            if packed_head is None:
+                return False
+            self._packed_lm_head = packed_head
+        return all([module.pack() for module in self.modules() if isinstance(module, Linear)])

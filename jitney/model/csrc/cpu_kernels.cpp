@@ -862,88 +862,115 @@ void kv_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
     }
   });
 }
+
 #ifdef JITNEY_AVX512_BF16
-// y = x W^T (+ bias) for a few rows of x (a decode step of a small batch): every weight row is
-// streamed once, front to back, for all rows of x at once, with bf16 dot-product instructions into
-// float32 sums; four weight rows at a time keep several independent chains in flight. Memory-bound
-// by design: at one row of x it streams the weights near the machine's bandwidth, where oneDNN's
-// general kernels (built for many rows) reach about half of it.
-template <int M>
-static void gemv_rows(const at::BFloat16* xp, const at::BFloat16* wp, const at::BFloat16* bp,
-                      at::BFloat16* op, int64_t n_out, int64_t k_in) {
-  const int64_t chunks = k_in / 32;
-  at::parallel_for(0, (n_out + 3) / 4, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t quad = begin; quad < end; ++quad) {
-      const int64_t n0 = quad * 4;
-      const int rows = static_cast<int>(std::min<int64_t>(4, n_out - n0));
-      __m512 acc[M][4];
-      _Pragma("GCC unroll 4") for (int m = 0; m < M; ++m)
-        _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
-      const at::BFloat16* w0 = wp + n0 * k_in;
-      // Two quads ahead into L1: each call streams only 0.7-3.5 MB, too little for the hardware
-      // prefetcher to ramp up on its own (about 10% of a batch-1 step here).
-      if (quad + 2 < end) {
-        const char* ahead = reinterpret_cast<const char*>(w0 + 8 * k_in);
-        for (int64_t off = 0; off < 4 * k_in * 2; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-      }
-      for (int64_t c = 0; c < chunks; ++c) {
-        __m512bh wv[4];
-        _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j)
-          wv[j] = (__m512bh)_mm512_loadu_si512(w0 + (j < rows ? j : 0) * k_in + 32 * c);
-        _Pragma("GCC unroll 4") for (int m = 0; m < M; ++m) {
-          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + m * k_in + 32 * c);
-          _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j)
-            acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
-        }
-      }
-      _Pragma("GCC unroll 4") for (int m = 0; m < M; ++m)
-        _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {
-          if (j >= rows) continue;
-          float y = _mm512_reduce_add_ps(acc[m][j]);
-          if (bp) y += static_cast<float>(bp[n0 + j]);
-          op[m * n_out + n0 + j] = static_cast<at::BFloat16>(y);
-        }
+// y = x W^T (+ bias) over a weight stored in dot-product order, [ceil(N/16)][K/2][16][2] bf16
+// (jitney/model/cpu_kernels.py packs it): each 64-byte load is 16 output columns x 2 inputs, so a
+// register tile of up to 8 rows x 48 columns takes one bf16 dot-product instruction per row,
+// 16 columns and input pair, with a broadcast input pair and no horizontal sums. At one row it
+// streams the weight near the memory bandwidth; at hundreds of rows it runs near the machine's
+// bf16 rate (the tile re-reads its weight columns from L2 for every 8 rows). Rows are taken 256
+// at a time, so that their inputs stay in cache while the weight streams past; threads split the
+// column tiles.
+template <int MT, int NT>
+static inline void pairs_tile(const at::BFloat16* xp, int64_t k_in, const at::BFloat16* wp,
+                              at::BFloat16* op, int64_t n_out, int64_t n0, const at::BFloat16* bp) {
+  const int64_t pairs = k_in / 2, block_elems = pairs * 32;  // bf16 elements per 16-column block
+  const int32_t* x32 = reinterpret_cast<const int32_t*>(xp);  // an input pair is one 32-bit lane
+  __m512 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    __m512bh wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wp + j * block_elems + kp * 32);
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(x32[m * pairs + kp]);
+      for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
     }
-  });
+  }
+  for (int j = 0; j < NT; ++j) {
+    const int64_t c0 = n0 + 16 * j, valid = std::min<int64_t>(16, n_out - c0);
+    if (valid <= 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 bias = bp ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bp + c0)), 16))
+                           : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m)  // float32 sum + bias, one rounding to bf16 (nearest even)
+      _mm256_mask_storeu_epi16(op + m * n_out + c0, mask,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], bias)));
+  }
 }
 
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "x [rows, in], weight [out, in]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16 only");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "1 to 4 rows");
-  TORCH_CHECK(weight.size(1) % 32 == 0, "the input size must be a multiple of 32");
-  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
+template <int NT>
+static void pairs_rows(const at::BFloat16* xp, int64_t rows, int64_t k_in, const at::BFloat16* wp,
+                       at::BFloat16* op, int64_t n_out, int64_t n0, const at::BFloat16* bp) {
+  constexpr int MT = 8;
+  int64_t m = 0;
+  for (; m + MT <= rows; m += MT) pairs_tile<MT, NT>(xp + m * k_in, k_in, wp, op + m * n_out, n_out, n0, bp);
+  const at::BFloat16* x = xp + m * k_in;
+  at::BFloat16* o = op + m * n_out;
+  switch (rows - m) {
+    case 1: return pairs_tile<1, NT>(x, k_in, wp, o, n_out, n0, bp);
+    case 2: return pairs_tile<2, NT>(x, k_in, wp, o, n_out, n0, bp);
+    case 3: return pairs_tile<3, NT>(x, k_in, wp, o, n_out, n0, bp);
+    case 4: return pairs_tile<4, NT>(x, k_in, wp, o, n_out, n0, bp);
+    case 5: return pairs_tile<5, NT>(x, k_in, wp, o, n_out, n0, bp);
+    case 6: return pairs_tile<6, NT>(x, k_in, wp, o, n_out, n0, bp);
+    case 7: return pairs_tile<7, NT>(x, k_in, wp, o, n_out, n0, bp);
+    default: return;
+  }
+}
+
+torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, int64_t n_out,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4, "x [rows, in], packed [blocks, in / 2, 16, 2]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(packed.is_contiguous() && packed.size(2) == 16 && packed.size(3) == 2, "packed [blocks, in / 2, 16, 2]");
+  TORCH_CHECK(x.size(1) == 2 * packed.size(1), "x has ", x.size(1), " inputs, the weight ", 2 * packed.size(1));
+  TORCH_CHECK(n_out > 16 * (packed.size(0) - 1) && n_out <= 16 * packed.size(0), "n_out does not match the blocks");
   x = x.contiguous();
   const at::BFloat16* bp = nullptr;
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == weight.size(0), "bias [out], bf16");
+    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == n_out, "bias [out], bf16");
     bp = b.data_ptr<at::BFloat16>();
   }
-  const int64_t n_out = weight.size(0), k_in = weight.size(1);
-  auto out = torch::empty({x.size(0), n_out}, x.options());
+  const int64_t rows = x.size(0), k_in = x.size(1), blocks = packed.size(0);
+  auto out = torch::empty({rows, n_out}, x.options());
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  switch (x.size(0)) {
-    case 1: gemv_rows<1>(xp, wp, bp, op, n_out, k_in); break;
-    case 2: gemv_rows<2>(xp, wp, bp, op, n_out, k_in); break;
-    case 3: gemv_rows<3>(xp, wp, bp, op, n_out, k_in); break;
-    default: gemv_rows<4>(xp, wp, bp, op, n_out, k_in); break;
+  constexpr int NT = 3;          // 16-column blocks per tile: 8 x 3 accumulators + 3 weight vectors
+  constexpr int64_t ROWS = 256;  // rows whose inputs stay in cache while the weight streams
+  const int64_t tiles = (blocks + NT - 1) / NT, block_elems = k_in * 16;
+  for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
+    const int64_t m_rows = std::min(ROWS, rows - m0);
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b0 = t * NT;
+        const at::BFloat16* w = wp + b0 * block_elems;
+        const at::BFloat16* x0 = xp + m0 * k_in;
+        at::BFloat16* o0 = op + m0 * n_out;
+        switch (std::min<int64_t>(NT, blocks - b0)) {
+          case 1: pairs_rows<1>(x0, m_rows, k_in, w, o0, n_out, 16 * b0, bp); break;
+          case 2: pairs_rows<2>(x0, m_rows, k_in, w, o0, n_out, 16 * b0, bp); break;
+          default: pairs_rows<3>(x0, m_rows, k_in, w, o0, n_out, 16 * b0, bp); break;
+        }
+      }
+    });
   }
   return out;
 }
 
-bool has_gemv() { return true; }
+bool has_linear_pairs() { return true; }
 #else
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor, c10::optional<torch::Tensor>) {
-  TORCH_CHECK(false, "the bf16 GEMV kernel needs a compiler targeting AVX-512 BF16");
+torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor, int64_t, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "the bf16 pairs linear kernel needs a compiler targeting AVX-512 BF16");
   return x;
 }
 
-bool has_gemv() { return false; }
+bool has_linear_pairs() { return false; }
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -955,7 +982,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "RoPE half rotation with per-row cos and signed sin tables");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
   m.def("kv_write", &kv_write, "store k/v rows at their cache slots");
-  m.def("gemv_bf16", &gemv_bf16, "x W^T (+ bias) for 1 to 4 bf16 rows", py::arg("x"), py::arg("weight"),
-        py::arg("bias") = py::none());
-  m.def("has_gemv", &has_gemv, "whether this build has the AVX-512 BF16 GEMV kernel");
+  m.def("linear_pairs", &linear_pairs, "x W^T (+ bias), bf16, W in dot-product order", py::arg("x"),
+        py::arg("packed"), py::arg("n_out"), py::arg("bias") = py::none());
+  m.def("has_linear_pairs", &has_linear_pairs, "whether this build has the AVX-512 BF16 pairs linear kernel");
 }
