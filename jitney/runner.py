@@ -21,6 +21,7 @@ import torch
 
 from jitney.config import CacheConfig
 from jitney.core.outputs import ExecutorResult, NewRequestData, ScheduledChunk, SchedulerOutput
+from jitney.host_malloc import keep_freed_blocks
 from jitney.model.attention import AttentionMetadata, CpuKernelAttention, SequenceSpan, make_backend
 from jitney.model.decoder import DecoderModel
 from jitney.model.loader import LoadedModel, load_model
@@ -85,6 +86,8 @@ class ModelRunner:
         self.model_config = model.config
         self.cache_config = cache_config
         self.device = model.device
+        if self.device.type == "cpu":
+            keep_freed_blocks()  # a step's activations reuse the last step's memory
         self.loaded = loaded
         model.backend = make_backend(attention, model.device)
         if isinstance(model.backend, CpuKernelAttention):
