@@ -145,7 +145,14 @@ def _reference_decode(q, k_cache, v_cache, tables, lens, scale):
         (32, 16, 4, 2),
     ],
     ids=[
-        "smollm2", "block32", "d128", "mqa", "group7", "group12-two-tasks", "group11-one-head-tasks", "portable-d32"
+        "smollm2",
+        "block32",
+        "d128",
+        "mqa",
+        "group7",
+        "group12-two-tasks",
+        "group11-one-head-tasks",
+        "portable-d32",
     ],
 )
 def test_compiled_decode_kernel_matches_float32_reference(head_dim, block, num_heads, kv_heads):
@@ -179,7 +186,9 @@ def test_compiled_decode_kernel_matches_float32_reference(head_dim, block, num_h
     torch.testing.assert_close(got[0].float(), v_first.float(), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize(("num_heads", "kv_heads"), [(9, 3), (12, 1)], ids=["one-task-per-group", "two-tasks-per-group"])
+@pytest.mark.parametrize(
+    ("num_heads", "kv_heads"), [(9, 3), (12, 1)], ids=["one-task-per-group", "two-tasks-per-group"]
+)
 def test_compiled_decode_kernel_ignores_rows_past_the_context(num_heads, kv_heads):
     """A last block's rows past the context hold whatever an earlier request left there; the
     kernel scores whole tiles, so a NaN there must be masked out, not summed in."""
