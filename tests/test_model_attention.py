@@ -187,6 +187,35 @@ def test_compiled_decode_kernel_matches_float32_reference(head_dim, block, num_h
 
 
 @pytest.mark.parametrize(
+    "lens", [[517], [2000], [1100, 3], [3, 4000]], ids=["517", "2000", "1100+3", "3+4000"]
+)
+@pytest.mark.parametrize(("num_heads", "kv_heads"), [(9, 3), (8, 1)], ids=["smollm2", "mqa"])
+def test_compiled_decode_kernel_splits_long_sequences_across_threads(lens, num_heads, kv_heads):
+    """With fewer (sequence, KV head) units than threads can share, each sequence's blocks are
+    split into ranges merged afterwards; a short sequence next to a long one gets empty ranges."""
+    from jitney.model.cpu_kernels import load_kernels
+
+    kernels = load_kernels()
+    if kernels is None:
+        pytest.skip("the CPU paged-attention kernel cannot be built here")
+    gen = torch.Generator().manual_seed(len(lens))
+    block, head_dim = 16, 64
+    blocks_needed = [-(-n // block) for n in lens]
+    num_blocks = sum(blocks_needed) + 2
+    k_cache = (4 * torch.randn(num_blocks, kv_heads, block, head_dim, generator=gen)).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, kv_heads, block, head_dim, generator=gen).to(torch.bfloat16)
+    order = iter(torch.randperm(num_blocks, generator=gen).tolist())
+    tables = torch.zeros(len(lens), max(blocks_needed), dtype=torch.int64)
+    for s, n in enumerate(blocks_needed):
+        tables[s, :n] = torch.tensor([next(order) for _ in range(n)])
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    context = torch.tensor(lens)
+    got = kernels.paged_decode(q, k_cache, v_cache, tables, context, head_dim**-0.5)
+    expected = _reference_decode(q, k_cache, v_cache, tables, context, head_dim**-0.5)
+    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=4e-3)
+
+
+@pytest.mark.parametrize(
     ("num_heads", "kv_heads"), [(9, 3), (12, 1)], ids=["one-task-per-group", "two-tasks-per-group"]
 )
 def test_compiled_decode_kernel_ignores_rows_past_the_context(num_heads, kv_heads):
