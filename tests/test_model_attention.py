@@ -132,6 +132,24 @@ def _reference_decode(q, k_cache, v_cache, tables, lens, scale):
     return out
 
 
+def _scattered_decode_case(
+    lens: list[int], num_heads: int, kv_heads: int, head_dim: int, block: int, seed: int
+):
+    """bf16 queries and caches for decodes at ``lens``, each sequence's blocks scattered over the
+    pool; K is scaled up so scores spread widely and the online softmax must rescale."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-n // block) for n in lens]
+    num_blocks = sum(blocks_needed) + 3
+    k_cache = (4 * torch.randn(num_blocks, kv_heads, block, head_dim, generator=gen)).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, kv_heads, block, head_dim, generator=gen).to(torch.bfloat16)
+    order = iter(torch.randperm(num_blocks, generator=gen).tolist())
+    tables = torch.zeros(len(lens), max(blocks_needed), dtype=torch.int64)
+    for s, n in enumerate(blocks_needed):
+        tables[s, :n] = torch.tensor([next(order) for _ in range(n)])
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    return q, k_cache, v_cache, tables, torch.tensor(lens)
+
+
 @pytest.mark.parametrize(
     ("head_dim", "block", "num_heads", "kv_heads"),
     [
@@ -164,17 +182,8 @@ def test_compiled_decode_kernel_matches_float32_reference(head_dim, block, num_h
     kernels = load_kernels()
     if kernels is None:
         pytest.skip("the CPU paged-attention kernel cannot be built here")
-    gen = torch.Generator().manual_seed(7)
-    lens = torch.tensor([1, 5, block, block + 1, 3 * block - 1, 200, 517])
-    blocks_needed = [-(-n // block) for n in lens.tolist()]
-    num_blocks = sum(blocks_needed) + 3
-    k_cache = (4 * torch.randn(num_blocks, kv_heads, block, head_dim, generator=gen)).to(torch.bfloat16)
-    v_cache = torch.randn(num_blocks, kv_heads, block, head_dim, generator=gen).to(torch.bfloat16)
-    order = iter(torch.randperm(num_blocks, generator=gen).tolist())
-    tables = torch.zeros(len(lens), max(blocks_needed), dtype=torch.int64)
-    for s, n in enumerate(blocks_needed):
-        tables[s, :n] = torch.tensor([next(order) for _ in range(n)])
-    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    lens = [1, 5, block, block + 1, 3 * block - 1, 200, 517]
+    q, k_cache, v_cache, tables, lens = _scattered_decode_case(lens, num_heads, kv_heads, head_dim, block, 7)
     scale = head_dim**-0.5
     got = kernels.paged_decode(q, k_cache, v_cache, tables, lens, scale)
     expected = _reference_decode(q, k_cache, v_cache, tables, lens, scale)
@@ -198,18 +207,8 @@ def test_compiled_decode_kernel_splits_long_sequences_across_threads(lens, num_h
     kernels = load_kernels()
     if kernels is None:
         pytest.skip("the CPU paged-attention kernel cannot be built here")
-    gen = torch.Generator().manual_seed(len(lens))
-    block, head_dim = 16, 64
-    blocks_needed = [-(-n // block) for n in lens]
-    num_blocks = sum(blocks_needed) + 2
-    k_cache = (4 * torch.randn(num_blocks, kv_heads, block, head_dim, generator=gen)).to(torch.bfloat16)
-    v_cache = torch.randn(num_blocks, kv_heads, block, head_dim, generator=gen).to(torch.bfloat16)
-    order = iter(torch.randperm(num_blocks, generator=gen).tolist())
-    tables = torch.zeros(len(lens), max(blocks_needed), dtype=torch.int64)
-    for s, n in enumerate(blocks_needed):
-        tables[s, :n] = torch.tensor([next(order) for _ in range(n)])
-    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(torch.bfloat16)
-    context = torch.tensor(lens)
+    head_dim = 64
+    q, k_cache, v_cache, tables, context = _scattered_decode_case(lens, num_heads, kv_heads, head_dim, 16, 3)
     got = kernels.paged_decode(q, k_cache, v_cache, tables, context, head_dim**-0.5)
     expected = _reference_decode(q, k_cache, v_cache, tables, context, head_dim**-0.5)
     torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=4e-3)
