@@ -105,10 +105,15 @@ def test_compiled_prefill_kernel_matches_reference(head_dim, block, num_heads, k
     scale = head_dim**-0.5
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     expected = make_backend("reference").forward(q, k, v, ref_k, ref_v, meta, scale)
+    sdpa = make_backend("sdpa").forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale)
     backend = make_backend("cpu-kernel")
     assert backend._prefill_fits(q, k_cache)
     got = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
-    torch.testing.assert_close(got.float(), expected.float(), atol=1e-3, rtol=4e-3)
+    # P is rounded to bf16 before P x V, as torch's bf16 SDPA does: hold the kernel to SDPA's
+    # accuracy against the float32 reference (about 0.2% of elements off by a bf16 step or two).
+    error, sdpa_error = (got.float() - expected.float()).abs(), (sdpa.float() - expected.float()).abs()
+    assert error.max() <= 1.5 * sdpa_error.max() and error.mean() <= 1.25 * sdpa_error.mean()
+    torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 

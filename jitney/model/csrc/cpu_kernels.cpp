@@ -376,7 +376,9 @@ static bool decode_fast(const torch::Tensor& q, const torch::Tensor& k_cache, co
 // KV head, 32 query positions); each task keeps the 32 x group query rows' online-softmax state
 // and walks the key tiles (16 cached rows) up to its last position: the tile of K is turned once
 // into dot-product order (pairs of dims x 16 keys), so every score vector is 32 bf16 dot-product
-// instructions with no horizontal sums; the tile of V is widened once and accumulated in float32.
+// instructions with no horizontal sums. The tile of V is interleaved once into pairs of keys, so
+// P x V is bf16 dot products too, with P rounded to bf16 and float32 sums (as torch's flash
+// attention for bf16 does; the softmax denominators stay float32).
 // Tasks are handed out largest first from a shared counter, which balances the causal triangle.
 template <int D>
 static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -416,11 +418,14 @@ static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_c
 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t max_rows = QT * group + 8;  // room for padding the last row group to eight
-    std::vector<float> o(max_rows * D), peak(max_rows), total(max_rows);
+    // Per row: output, running peak, and the softmax denominator as 16 lane sums (summed at the end).
+    std::vector<float> o(max_rows * D), peak(max_rows), total(max_rows * 16);
     std::vector<int64_t> pos(max_rows);
     std::vector<const uint32_t*> qrows(max_rows);
     alignas(64) uint32_t kt[PAIRS * 16];
-    alignas(64) float vf[16 * D];
+    // V as 8 key pairs x D dims of (key 2p, key 2p + 1) bf16 pairs, in unpack order: vector 2c of
+    // a pair holds dims 32c + 8q + w at lane 4q + w, vector 2c + 1 dims 32c + 8q + 4 + w.
+    alignas(64) uint32_t vt[8 * D];
     for (int64_t t = next_task++; t < static_cast<int64_t>(tasks.size()); t = next_task++) {
       const Task task = tasks[t];
       const int64_t s = task.seq, h = task.head;
@@ -431,14 +436,14 @@ static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_c
         const int64_t j = task.first + r / group, g = r % group;
         pos[r] = prefix + j;
         qrows[r] = reinterpret_cast<const uint32_t*>(qp + ((starts[s] + j) * num_heads + h * group + g) * D);
-        peak[r] = -INFINITY;
-        total[r] = 0.f;
+        peak[r] = -1e30f;  // below any score, finite (built with -ffast-math)
       }
       for (int64_t r = rows; r < rows + 8; ++r) {  // padding rows: see no key, read row 0's query
         pos[r] = -1;
         qrows[r] = qrows[0];
       }
       std::fill(o.begin(), o.begin() + (rows + 8) * D, 0.f);
+      std::fill(total.begin(), total.begin() + rows * 16, 0.f);
       const int64_t keys = task.cost;  // keys 0 .. last position
       for (int64_t k0 = 0; k0 < keys; k0 += 16) {
         const int64_t block = tables[s * max_blocks + k0 / block_size];
@@ -447,9 +452,15 @@ static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_c
         const uint32_t* ksrc = reinterpret_cast<const uint32_t*>(kp + offset);
         for (int n = 0; n < 16; ++n)
           for (int d = 0; d < PAIRS; ++d) kt[d * 16 + n] = n < n_keys ? ksrc[n * PAIRS + d] : 0u;
-        for (int n = 0; n < n_keys; ++n)
-          for (int i = 0; i < AV; ++i)
-            _mm512_store_ps(vf + n * D + 16 * i, load_bf16_as_f32(vp + offset + n * D + 16 * i));
+        for (int np = 0; np < 8; ++np) {  // keys past n_keys are zero (their rows may be stale)
+          const int a = 2 * np, b = 2 * np + 1;
+          for (int c = 0; c < D / 32; ++c) {
+            const __m512i ka = a < n_keys ? _mm512_loadu_si512(vp + offset + a * D + 32 * c) : _mm512_setzero_si512();
+            const __m512i kb = b < n_keys ? _mm512_loadu_si512(vp + offset + b * D + 32 * c) : _mm512_setzero_si512();
+            _mm512_store_si512(vt + np * D + 32 * c, _mm512_unpacklo_epi16(ka, kb));
+            _mm512_store_si512(vt + np * D + 32 * c + 16, _mm512_unpackhi_epi16(ka, kb));
+          }
+        }
         // Rows are ordered by position: those before this tile see none of it.
         int64_t r0 = 0;
         while (r0 < rows && pos[r0] < k0) ++r0;
@@ -469,6 +480,7 @@ static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_c
           }
           // Online softmax of the eight rows (padding rows and rows before this tile see nothing).
           alignas(64) float probs[8][16];
+          alignas(64) uint32_t prob_pairs[8][8];  // probs rounded to bf16, as key pairs
           float correction[8];
           int64_t visible_max = 0;
           _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {
@@ -482,17 +494,21 @@ static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_c
             visible_max = std::max(visible_max, visible);
             const __mmask16 valid = static_cast<__mmask16>((1u << visible) - 1u);
             const __m512 sv = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), _mm512_set1_ps(fscale));
-            const float new_peak = std::max(peak[r], _mm512_mask_reduce_max_ps(valid, sv));
-            const __m512 shifted = _mm512_sub_ps(sv, _mm512_set1_ps(new_peak));
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(shifted));
-            if (new_peak != peak[r]) {
-              correction[i] = expf(peak[r] - new_peak);  // 0 on the first tile
-              total[r] *= correction[i];
+            __m512 row_total = _mm512_loadu_ps(total.data() + 16 * r);
+            // Rescale only when a score passes the running peak (rare after the first tiles).
+            if (_mm512_mask_cmp_ps_mask(valid, sv, _mm512_set1_ps(peak[r]), _CMP_GT_OQ)) {
+              const float new_peak = _mm512_mask_reduce_max_ps(valid, sv);
+              correction[i] = std::exp(peak[r] - new_peak);  // 0 on the first tile
+              row_total = _mm512_mul_ps(row_total, _mm512_set1_ps(correction[i]));
               peak[r] = new_peak;
             }
-            total[r] += _mm512_reduce_add_ps(p);
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(peak[r]))));
+            _mm512_storeu_ps(total.data() + 16 * r, _mm512_add_ps(row_total, p));
             _mm512_store_ps(probs[i], p);
           }
+          _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]),
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(probs[i])));
           // P x V, RP rows at a time with their outputs in registers: each V row is loaded once
           // for all of them. Every index below is a compile-time constant after unrolling, so the
           // accumulators never go through memory.
@@ -503,14 +519,14 @@ static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_c
               _Pragma("GCC unroll 8") for (int j = 0; j < AV; ++j)
                 ov[i][j] = _mm512_mul_ps(_mm512_loadu_ps(o.data() + (rb + part + i) * D + 16 * j), c);
             }
-            for (int64_t n = 0; n < visible_max; ++n) {
-              __m512 vrow[AV];
+            for (int64_t np = 0; np < (visible_max + 1) / 2; ++np) {
+              __m512bh vpair[AV];
               _Pragma("GCC unroll 8") for (int j = 0; j < AV; ++j)
-                vrow[j] = _mm512_load_ps(vf + n * D + 16 * j);
+                vpair[j] = (__m512bh)_mm512_load_si512(vt + np * D + 16 * j);
               _Pragma("GCC unroll 4") for (int i = 0; i < RP; ++i) {
-                const __m512 w = _mm512_set1_ps(probs[part + i][n]);
+                const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[part + i][np]));
                 _Pragma("GCC unroll 8") for (int j = 0; j < AV; ++j)
-                  ov[i][j] = _mm512_fmadd_ps(w, vrow[j], ov[i][j]);
+                  ov[i][j] = _mm512_dpbf16_ps(ov[i][j], w, vpair[j]);
               }
             }
             _Pragma("GCC unroll 4") for (int i = 0; i < RP; ++i)
@@ -522,12 +538,14 @@ static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_c
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t j = task.first + r / group, g = r % group;
         at::BFloat16* dst = op + ((starts[s] + j) * num_heads + h * group + g) * D;
-        const __m512 inv = _mm512_set1_ps(1.f / total[r]);
-        for (int i = 0; i < AV; ++i) {
-          const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(o.data() + r * D + 16 * i), inv);
-          const __m256bh packed = _mm512_cvtneps_pbh(normed);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * i), (__m256i)packed);
-        }
+        const float inv = 1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(total.data() + 16 * r));
+        const float* row = o.data() + r * D;  // in V's unpack order (see vt)
+        for (int c = 0; c < D / 32; ++c)
+          for (int lane = 0; lane < 16; ++lane) {
+            const int d = 32 * c + 8 * (lane / 4) + lane % 4;
+            dst[d] = static_cast<at::BFloat16>(row[32 * c + lane] * inv);
+            dst[d + 4] = static_cast<at::BFloat16>(row[32 * c + 16 + lane] * inv);
+          }
       }
     }
   });
