@@ -15,7 +15,7 @@ from torch import nn
 
 from jitney.model.attention import AttentionBackend, AttentionMetadata, TorchSdpaAttention
 from jitney.model.config import ModelConfig
-from jitney.model.linear import PAIRS_MAX_ROWS, Linear, PairsKernel, pack_weight, packed_linear
+from jitney.model.linear import Linear, PairsKernel, pack_weight, packed_linear
 from jitney.model.rope import RotaryEmbedding, apply_rotary
 
 # (x, residual, weight, eps) -> norm(x + residual); residual updated in place.
@@ -162,7 +162,7 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: widening a large batch's rows to float32 costs as much as
         the greedy argmax itself, so the sampler widens only the rows that need float32 math."""
-        if self._pairs_lm_head is not None and hidden.shape[0] <= PAIRS_MAX_ROWS:
+        if self._pairs_lm_head is not None:
             return self._pairs_kernel(hidden, self._pairs_lm_head, self.config.vocab_size, None)
         if self._packed_lm_head is not None:
             return packed_linear(hidden, self._packed_lm_head)
@@ -172,9 +172,8 @@ class DecoderModel(nn.Module):
     def use_cpu_kernels(self) -> bool:
         """Route RMSNorm (with the residual add before it), SwiGLU's silu-and-multiply and the
         rotary embedding through the compiled CPU kernels (one pass each instead of several small
-        ops), and bf16 projections of up to ``PAIRS_MAX_ROWS`` rows (the vocabulary head too)
-        through the pairs kernel. Call before ``pack_weights``. Returns False, changing nothing,
-        when the kernels are unavailable."""
+        ops), and bf16 projections (the vocabulary head too) through the pairs kernel. Call before
+        ``pack_weights``. Returns False, changing nothing, when the kernels are unavailable."""
         from jitney.model.cpu_kernels import load_kernels, pack_pairs
 
         kernels = load_kernels() if self.device.type == "cpu" else None
@@ -200,7 +199,7 @@ class DecoderModel(nn.Module):
         """Switch every projection (and the vocabulary head, unless the pairs kernel has it) to
         oneDNN's prepacked kernels. Returns False, changing nothing, where packing is unavailable
         (non-CPU device, no oneDNN)."""
-        if self._pairs_lm_head is None:  # else the head's batches (sampled rows) stay small
+        if self._pairs_lm_head is None:  # else the pairs kernel has the head
             packed_head = pack_weight(self.embed if self.lm_head is None else self.lm_head)
             if packed_head is None:
                 return False

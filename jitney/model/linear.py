@@ -4,9 +4,9 @@
 weight in its own blocked layout (``pack``), which measured about 1.5-2x faster for a decode step
 and never slower for prefill on this project's AVX-512 machine, in bf16 and fp32 alike. Packing
 is an internal aten op (the one torch.compile's CPU freezing uses), so it is optional: when it is
-unavailable the dense path stays. bf16 steps of up to ``PAIRS_MAX_ROWS`` rows can instead take a
-compiled kernel over a copy of the weight in dot-product order (``use_pairs``; see
-jitney.model.cpu_kernels), which is faster than oneDNN's there, most of all for decode steps.
+unavailable the dense path stays. bf16 weights can instead take a compiled kernel over a copy in
+dot-product order (``use_pairs``; see jitney.model.cpu_kernels), which measured faster than
+oneDNN's at every step size here, most of all for decode steps; it then replaces oneDNN's copy.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
-# Steps of at most this many rows take the pairs kernel when it is on: it measured 5-25% faster
-# than oneDNN's packed kernels from 1 to 4,096 rows here, and 8% slower at 8,192.
-PAIRS_MAX_ROWS = 4096
 PairsPacker = Callable[[torch.Tensor], torch.Tensor]
 PairsKernel = Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]
 
@@ -41,21 +38,22 @@ class Linear(nn.Module):
         self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
         self.packed: torch.Tensor | None = None
-        # The weight in the pairs kernel's order, for steps of at most ``PAIRS_MAX_ROWS`` rows.
+        # The weight in the pairs kernel's order, when that kernel is on.
         self.pairs: torch.Tensor | None = None
         self.pairs_kernel: PairsKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pairs is not None and x.dim() == 2 and x.shape[0] <= PAIRS_MAX_ROWS:
-            return self.pairs_kernel(x, self.pairs, self.out_features, self.bias)
+        if self.pairs is not None:
+            rows = x.reshape(-1, x.shape[-1])
+            out = self.pairs_kernel(rows, self.pairs, self.out_features, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def use_pairs(self, pack: PairsPacker, kernel: PairsKernel) -> bool:
-        """Route steps of up to ``PAIRS_MAX_ROWS`` rows through ``kernel`` over ``pack(weight)``
-        (bf16 weights with an even input size only; call before ``pack``, which releases the
-        dense weight)."""
+        """Route every step through ``kernel`` over ``pack(weight)`` (bf16 weights with an even
+        input size only; call before ``pack``, which then only releases the dense weight)."""
         weight = self.weight
         if weight.dtype != torch.bfloat16 or weight.shape[-1] % 2 or weight.numel() == 0:
             return False
@@ -64,7 +62,11 @@ class Linear(nn.Module):
         return True
 
     def pack(self) -> bool:
-        """Switch to the prepacked kernel and release the dense weight (it would double memory)."""
+        """Switch to a prepacked copy and release the dense weight (it would double memory): the
+        pairs kernel's copy when it is on, else oneDNN's."""
+        if self.pairs is not None:
+            self.weight = _empty(0, dtype=self.weight.dtype, device=self.weight.device)
+            return True
         if self.packed is None:
             self.packed = pack_weight(self.weight)
             if self.packed is not None:
