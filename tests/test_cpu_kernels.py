@@ -139,6 +139,30 @@ def test_pairs_linear_matches_float32_linear(kernels, rows, out_features, in_fea
     torch.testing.assert_close(no_bias.float(), expected - bias.float(), atol=1e-3, rtol=2**-8)
 
 
+def test_linear_on_the_pairs_kernel_keeps_one_packed_copy(kernels):
+    """A bf16 Linear routed through the pairs kernel releases its dense weight when packed, and
+    gives F.linear's result for a step's 2-D rows and for batched 3-D input alike."""
+    from jitney.model.cpu_kernels import pack_pairs
+    from jitney.model.linear import Linear
+
+    if not kernels.has_linear_pairs():
+        pytest.skip("the pairs kernel needs AVX-512 BF16")
+    gen = torch.Generator().manual_seed(5)
+    layer = Linear(64, 40, bias=True, dtype=torch.bfloat16, device="cpu")
+    weight = (torch.randn(40, 64, generator=gen) / 8).to(torch.bfloat16)
+    bias = torch.randn(40, generator=gen).to(torch.bfloat16)
+    layer.weight.data.copy_(weight)
+    layer.bias.data.copy_(bias)
+    assert layer.use_pairs(pack_pairs, kernels.linear_pairs)
+    assert layer.pack() and layer.weight.numel() == 0 and layer.packed is None
+    x = torch.randn(2, 3, 64, generator=gen).to(torch.bfloat16)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(layer(x).float(), expected, atol=1e-3, rtol=2**-8)
+    torch.testing.assert_close(layer(x[0]).float(), expected[0], atol=1e-3, rtol=2**-8)
+    fp32 = Linear(64, 40, bias=False, dtype=torch.float32, device="cpu")
+    assert not fp32.use_pairs(pack_pairs, kernels.linear_pairs)  # bf16 weights only
+
+
 def test_pairs_linear_refuses_mismatched_shapes(kernels):
     from jitney.model.cpu_kernels import pack_pairs
 
