@@ -200,6 +200,7 @@ static void decode_bf16_grouped(const torch::Tensor& q, const torch::Tensor& k_c
   at::parallel_for(0, num_seqs * kv_heads * chunks * parts, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float probs[G * 16];
     alignas(64) float parity_split[2 * QV * 16];
+    float natural[D];
     for (int64_t task = begin; task < end; ++task) {
       const Task t = task_at(task);
       const Task next = task + 1 < end ? task_at(task + 1) : Task{0, 0, 0, 0, 0};
@@ -274,25 +275,23 @@ static void decode_bf16_grouped(const torch::Tensor& q, const torch::Tensor& k_c
         }
       }
       for (int g = 0; g < G; ++g) {
+        // The row in natural order: the output itself, or this block range's [peak, sum, row]
+        // in `partial`, merged below.
         const float sum = _mm512_reduce_add_ps(total[g]);
         const __m512 inv = _mm512_set1_ps(parts == 1 ? 1.f / sum : 1.f);
         for (int i = 0; i < 2 * QV; ++i) _mm512_store_ps(parity_split + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+        float* row = parts == 1 ? natural : partial + (task * G + g) * (D + 2) + 2;
+        for (int i = 0; i < QV; ++i)
+          for (int j = 0; j < 16; ++j) {
+            row[32 * i + 2 * j] = parity_split[32 * i + j];
+            row[32 * i + 2 * j + 1] = parity_split[32 * i + 16 + j];
+          }
         if (parts == 1) {
           at::BFloat16* orow = op + (s * num_heads + t.first_head + g) * D;
-          for (int i = 0; i < QV; ++i)
-            for (int j = 0; j < 16; ++j) {
-              orow[32 * i + 2 * j] = static_cast<at::BFloat16>(parity_split[32 * i + j]);
-              orow[32 * i + 2 * j + 1] = static_cast<at::BFloat16>(parity_split[32 * i + 16 + j]);
-            }
-        } else {  // [peak, sum, output row] of this block range, merged below
-          float* slot = partial + (task * G + g) * (D + 2);
-          slot[0] = peak[g];
-          slot[1] = sum;
-          for (int i = 0; i < QV; ++i)
-            for (int j = 0; j < 16; ++j) {
-              slot[2 + 32 * i + 2 * j] = parity_split[32 * i + j];
-              slot[2 + 32 * i + 2 * j + 1] = parity_split[32 * i + 16 + j];
-            }
+          for (int d = 0; d < D; ++d) orow[d] = static_cast<at::BFloat16>(natural[d]);
+        } else {
+          row[-2] = peak[g];
+          row[-1] = sum;
         }
       }
     }
@@ -479,8 +478,7 @@ static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_c
             }
           }
           // Online softmax of the eight rows (padding rows and rows before this tile see nothing).
-          alignas(64) float probs[8][16];
-          alignas(64) uint32_t prob_pairs[8][8];  // probs rounded to bf16, as key pairs
+          alignas(64) uint32_t prob_pairs[8][8];  // probabilities rounded to bf16, as key pairs
           float correction[8];
           int64_t visible_max = 0;
           _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {
@@ -488,7 +486,7 @@ static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_c
             const int64_t visible = std::max<int64_t>(0, std::min<int64_t>(n_keys, pos[r] - k0 + 1));
             correction[i] = 1.f;
             if (visible == 0) {
-              _mm512_store_ps(probs[i], _mm512_setzero_ps());
+              _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]), _mm256_setzero_si256());
               continue;
             }
             visible_max = std::max(visible_max, visible);
@@ -504,11 +502,8 @@ static void prefill_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k_c
             }
             const __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(peak[r]))));
             _mm512_storeu_ps(total.data() + 16 * r, _mm512_add_ps(row_total, p));
-            _mm512_store_ps(probs[i], p);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]), (__m256i)_mm512_cvtneps_pbh(p));
           }
-          _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i)
-            _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]),
-                               (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(probs[i])));
           // P x V, RP rows at a time with their outputs in registers: each V row is loaded once
           // for all of them. Every index below is a compile-time constant after unrolling, so the
           // accumulators never go through memory.
