@@ -15,7 +15,7 @@ from torch import nn
 
 from jitney.model.attention import AttentionBackend, AttentionMetadata, TorchSdpaAttention
 from jitney.model.config import ModelConfig
-from jitney.model.linear import Linear, PairsKernel, pack_weight, packed_linear
+from jitney.model.linear import Linear
 from jitney.model.rope import RotaryEmbedding, apply_rotary
 
 # (x, residual, weight, eps) -> norm(x + residual); residual updated in place.
@@ -135,9 +135,9 @@ class DecoderModel(nn.Module):
         )
         self.rotary = RotaryEmbedding(cfg, dtype, device)
         self.backend: AttentionBackend = TorchSdpaAttention()
-        self._packed_lm_head: torch.Tensor | None = None
-        self._pairs_lm_head: torch.Tensor | None = None
-        self._pairs_kernel: PairsKernel | None = None
+        # The vocabulary projection as a Linear over the head weight, made on first use (after
+        # loading, which may tie the head to the embedding), so it is packed like every other.
+        self.head: Linear | None = None
 
     @torch.inference_mode()
     def forward(
@@ -162,12 +162,12 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: widening a large batch's rows to float32 costs as much as
         the greedy argmax itself, so the sampler widens only the rows that need float32 math."""
-        if self._pairs_lm_head is not None:
-            return self._pairs_kernel(hidden, self._pairs_lm_head, self.config.vocab_size, None)
-        if self._packed_lm_head is not None:
-            return packed_linear(hidden, self._packed_lm_head)
-        weight = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight)
+        return self._vocab_head()(hidden)
+
+    def _vocab_head(self) -> Linear:
+        if self.head is None:
+            self.head = Linear.around(self.embed if self.lm_head is None else self.lm_head)
+        return self.head
 
     def use_cpu_kernels(self) -> bool:
         """Route RMSNorm (with the residual add before it), SwiGLU's silu-and-multiply and the
@@ -180,9 +180,7 @@ class DecoderModel(nn.Module):
         if kernels is None:
             return False
         pairs = kernels.linear_pairs if kernels.has_linear_pairs() else None
-        head = self.embed if self.lm_head is None else self.lm_head
-        if pairs is not None and head.dtype == torch.bfloat16 and head.shape[1] % 2 == 0:
-            self._pairs_lm_head, self._pairs_kernel = pack_pairs(head), pairs
+        self._vocab_head()
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernels.rms_norm
@@ -196,12 +194,8 @@ class DecoderModel(nn.Module):
         return True
 
     def pack_weights(self) -> bool:
-        """Switch every projection (and the vocabulary head, unless the pairs kernel has it) to
-        oneDNN's prepacked kernels. Returns False, changing nothing, where packing is unavailable
-        (non-CPU device, no oneDNN)."""
-        if self._pairs_lm_head is None:  # else the pairs kernel has the head
-            packed_head = pack_weight(self.embed if self.lm_head is None else self.lm_head)
-            if packed_head is None:
-                return False
-            self._packed_lm_head = packed_head
+        """Switch every projection, the vocabulary head included, to a prepacked copy (see
+        ``Linear.pack``). Returns False, changing nothing, where packing is unavailable (non-CPU
+        device, no oneDNN)."""
+        self._vocab_head()
         return all([module.pack() for module in self.modules() if isinstance(module, Linear)])

@@ -42,6 +42,15 @@ class Linear(nn.Module):
         self.pairs: torch.Tensor | None = None
         self.pairs_kernel: PairsKernel | None = None
 
+    @classmethod
+    def around(cls, weight: torch.Tensor) -> Linear:
+        """A bias-free projection over an existing [out, in] weight, shared, not copied (the
+        vocabulary head over the tied input embedding)."""
+        layer = cls(0, 0, False, weight.dtype, weight.device)
+        layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        layer.out_features = weight.shape[0]
+        return layer
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pairs is not None:
             if x.dim() == 2:  # the model's case: a step's rows (no reshape ops per call)
